@@ -1,0 +1,1 @@
+"""The bundled agentshare server: shared prefill, per-agent decode, KV block pool."""

@@ -1,0 +1,98 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from server.kv.keys import ROOT_KEY, Layout, Namespace, NamespaceKind, chain_key
+
+FAM = "a" * 64
+MOD = "b" * 64
+TOKENS = list(range(100, 164))
+
+
+def keys(layout: Layout, tokens=TOKENS, block_size=16):
+    return layout.block_keys(tokens, block_size=block_size)
+
+
+def test_keys_are_stable_across_processes():
+    # Python's hash() is salted per process; the digest must not be.
+    code = (
+        "from server.kv.keys import Layout, Namespace;"
+        f"print(Layout(Namespace.family('{FAM}')).block_keys(list(range(100,164)), block_size=16)[-1].hex())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert outs == {keys(Layout(Namespace.family(FAM)))[-1].hex()}
+
+
+def test_chain_keys_differ_across_namespaces_and_salts():
+    variants = {
+        "family": Layout(Namespace.family(FAM)),
+        "other family": Layout(Namespace.family("c" * 64)),
+        "other salt": Layout(Namespace.family(FAM, salt="tenant-2")),
+        "lossy": Layout(Namespace.family(FAM).lossy("int8")),
+    }
+    first_keys = {name: keys(lay)[0] for name, lay in variants.items()}
+    assert len(set(first_keys.values())) == len(variants), first_keys
+
+
+def test_module_namespace_separates_modules_and_invocation_points():
+    fam = Namespace.family(FAM)
+    a = keys(Layout(fam, Namespace.module(MOD, invocation_point=40)))
+    b = keys(Layout(fam, Namespace.module("d" * 64, invocation_point=40)))
+    c = keys(Layout(fam, Namespace.module(MOD, invocation_point=36)))
+    base = keys(Layout(fam))
+    # blocks 0 and 1 end at or before the IP (32 <= 40): family-computed, shared by all
+    assert a[:2] == b[:2] == c[:2] == base[:2]
+    # block 2 holds positions 32..47, which straddle the IP: the module's
+    assert len({a[2], b[2], c[2], base[2]}) == 4
+
+
+@pytest.mark.parametrize("ip, family_blocks", [(0, 0), (15, 0), (16, 1), (17, 1), (31, 1), (32, 2), (64, 4)])
+def test_invocation_point_block_boundary(ip, family_blocks):
+    lay = Layout(Namespace.family(FAM), Namespace.module(MOD, invocation_point=ip))
+    kinds = [lay.namespace_of(i, block_size=16).kind for i in range(4)]
+    assert kinds.count(NamespaceKind.FAMILY) == family_blocks
+    assert kinds[:family_blocks] == [NamespaceKind.FAMILY] * family_blocks
+
+
+def test_chaining_makes_a_block_key_depend_on_everything_before_it():
+    lay = Layout(Namespace.family(FAM))
+    changed = TOKENS.copy()
+    changed[3] += 1
+    assert all(x != y for x, y in zip(keys(lay), keys(lay, changed), strict=True))
+    assert keys(lay)[0] == chain_key(ROOT_KEY, Namespace.family(FAM), TOKENS[:16])
+
+
+def test_only_full_blocks_have_keys():
+    assert len(keys(Layout(Namespace.family(FAM)), TOKENS[:47])) == 2
+
+
+def test_field_boundaries_cannot_alias():
+    # ("ab", "c") and ("a", "bc") must not encode alike
+    assert Namespace.family("ab", salt="c").digest != Namespace.family("a", salt="bc").digest
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Namespace.family(""),
+        lambda: Namespace(NamespaceKind.MODULE, MOD),
+        lambda: Namespace.module(MOD, invocation_point=-1),
+        lambda: Namespace(NamespaceKind.FAMILY, FAM, invocation_point=3),
+        lambda: Namespace.family(FAM).lossy(""),
+        lambda: Layout(Namespace.module(MOD, invocation_point=1)),
+        lambda: Layout(Namespace.family(FAM), Namespace.family(FAM)),
+        lambda: Layout(Namespace.family(FAM, salt="x"), Namespace.module(MOD, invocation_point=1)),
+    ],
+)
+def test_bad_namespaces_are_refused(make):
+    with pytest.raises(ValueError):
+        make()

@@ -1,0 +1,235 @@
+import hashlib
+
+import anyio
+import pytest
+
+from server.kv.errors import BlockAborted, PoolExhausted, PoolInvariantError
+from server.kv.keys import Layout, Namespace
+from server.kv.pool import BlockPool, BlockState
+
+from .conftest import FAMILY, serve
+
+A = list(range(32))  # two blocks of 16
+B = [7] * 16 + list(range(16))
+
+
+def test_second_request_hits_the_whole_chain_and_partial_blocks_stay_private():
+    pool = BlockPool(8, 16)
+    assert serve(pool, A + [1, 2, 3])[0] == 0
+    hit, held = serve(pool, A + [9, 9], release=False)
+    assert hit == 2
+    assert pool.block(held[-1]).state is BlockState.PRIVATE  # the partial block
+    pool.release(held)
+    assert pool.block(held[-1]).state is BlockState.FREE
+    assert pool.stats.hit_blocks == 2 and pool.stats.miss_blocks == 2
+
+
+def test_prefix_match_stops_at_first_differing_block():
+    pool = BlockPool(8, 16)
+    serve(pool, A + A)
+    m = pool.match(A + [99] + A[1:], FAMILY)
+    assert m.first_miss == 2 and m.num_cached_tokens == 32 and m.num_blocks == 4
+
+
+def test_namespaces_and_salts_never_share_blocks():
+    pool = BlockPool(16, 16)
+    serve(pool, A)
+    for other in (
+        Layout(Namespace.family("g" * 64)),
+        Layout(Namespace.family("f" * 64, salt="tenant-2")),
+        Layout(Namespace.family("f" * 64).lossy("int8")),
+    ):
+        assert pool.match(A, other).num_cached_tokens == 0
+    lossy = Layout(Namespace.family("f" * 64).lossy("int8"))
+    serve(pool, A, lossy)
+    assert pool.match(A, FAMILY).num_cached_tokens == 32  # exact blocks still there
+    assert pool.match(A, lossy).num_cached_tokens == 32
+
+
+def test_module_blocks_serve_their_module_only_and_family_blocks_count_cross_module_hits():
+    pool = BlockPool(16, 16)
+    fam = Namespace.family("f" * 64)
+    planner = Layout(fam, Namespace.module("p" * 64, invocation_point=20))
+    coder = Layout(fam, Namespace.module("c" * 64, invocation_point=20))
+    serve(pool, A, planner, module="planner")
+    # block 0 (positions < 16 <= IP) is the family's; block 1 straddles the IP: the planner's
+    assert pool.match(A, coder).num_cached_tokens == 16
+    assert pool.match(A, planner).num_cached_tokens == 32
+    serve(pool, A, coder, module="coder")
+    assert pool.stats.cross_module_hit_blocks == 1
+    serve(pool, A, planner, module="planner")  # the planner computed block 0: not cross-module
+    assert pool.stats.cross_module_hit_blocks == 1
+
+
+def _ignores_parent(data: bytes) -> bytes:
+    # A deliberately broken digest: keys depend on (namespace, tokens) but not on the parent.
+    return hashlib.sha256(data[len(b"agentshare/block/v1") + 32 :]).digest()
+
+
+def test_a_key_collision_on_the_parent_is_never_served():
+    pool = BlockPool(8, 16, digest=_ignores_parent)
+    serve(pool, [1] * 16 + [5] * 16)
+    serve(pool, [2] * 16)
+    # Block 1 of `other` has the same key as block 1 of the first request (the digest ignores
+    # the parent) and the same tokens, but it was computed after [1]*16, not after [2]*16.
+    other = [2] * 16 + [5] * 16
+    assert pool.match(other, FAMILY).num_cached_tokens == 16
+    assert serve(pool, other)[0] == 1
+    # and the original is still served whole
+    assert pool.match([1] * 16 + [5] * 16, FAMILY).num_cached_tokens == 32
+
+
+def test_a_constant_digest_serves_nothing_wrong():
+    pool = BlockPool(8, 16, digest=lambda data: b"\0" * 32)
+    serve(pool, A)
+    assert pool.match(B, FAMILY).num_cached_tokens == 0
+    assert serve(pool, B)[0] == 0
+    assert pool.match(A, FAMILY).num_cached_tokens == 16  # block 1 could not be indexed
+    m = pool.match(A, FAMILY)
+    assert pool.prefix_tokens(pool.block(m.block_ids[0])) == tuple(A[:16])
+
+
+def test_refcounts_never_go_negative():
+    pool = BlockPool(4, 16)
+    _, held = serve(pool, A, release=False)
+    pool.release(held)
+    with pytest.raises(PoolInvariantError):
+        pool.release(held[:1])
+    assert all(pool.block(b).ref_count == 0 for b in held)
+
+
+def test_lru_evicts_least_recently_used_and_chain_tails_first():
+    pool = BlockPool(4, 16)
+    serve(pool, A)  # blocks of A: 2
+    serve(pool, B)  # blocks of B: 2, pool full
+    serve(pool, A)  # A is now most recent
+    serve(pool, [3] * 16)  # one eviction: B's tail goes first
+    assert pool.match(B, FAMILY).num_cached_tokens == 16
+    assert pool.match(A, FAMILY).num_cached_tokens == 32
+    assert pool.stats.evictions == 1
+
+
+def test_capacity_under_pressure_is_a_typed_error_that_changes_nothing():
+    pool = BlockPool(4, 16)
+    _, held = serve(pool, A, release=False)  # 2 held
+    serve(pool, B)  # 2 evictable
+    before = pool.usage()
+    with pytest.raises(PoolExhausted) as err:
+        pool.allocate(3)
+    assert (err.value.requested, err.value.available, err.value.capacity) == (3, 2, 4)
+    assert pool.usage() == before and pool.match(B, FAMILY).num_cached_tokens == 32
+    assert len(pool.allocate(2)) == 2  # evicting B is fine
+    u = pool.usage()
+    assert (u.free, u.held, u.evictable) == (0, 4, 0)
+
+
+def test_pinned_blocks_are_not_evicted_until_unpinned(clock):
+    pool = BlockPool(4, 16, clock=clock)
+    _, held = serve(pool, A, release=False)
+    pin = pool.pin(held, ttl=60)
+    pool.release(held)
+    with pytest.raises(PoolExhausted):
+        pool.allocate(3)
+    assert pool.unpin(pin) and not pool.unpin(pin)
+    assert len(pool.allocate(4)) == 4
+
+
+def test_pins_expire_after_their_ttl(clock):
+    pool = BlockPool(2, 16, clock=clock)
+    _, held = serve(pool, A, release=False)
+    pool.pin(held, ttl=30)
+    pool.release(held)
+    clock.now += 29.9
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)
+    clock.now += 0.1
+    assert pool.allocate(2) and pool.pins == []
+
+
+def test_usage_reports_bytes():
+    pool = BlockPool(4, 16, bytes_per_block=1000)
+    _, held = serve(pool, A, release=False)
+    serve(pool, B)
+    u = pool.usage()
+    assert (u.bytes_held, u.bytes_cached) == (2000, 2000)
+
+
+@pytest.mark.anyio
+async def test_concurrent_requests_for_one_prefix_wait_for_one_computation():
+    pool = BlockPool(8, 16)
+    computed: list[str] = []
+
+    async def request(name: str, delay: float) -> list[int]:
+        await anyio.sleep(delay)
+        m = pool.match(A, FAMILY)
+        pool.acquire(m, reader=name)
+        fresh = pool.allocate(m.num_blocks - len(m.block_ids))
+        pool.register(m, fresh, A, FAMILY, computed_by=name)
+        if fresh:
+            computed.append(name)
+            await anyio.sleep(0.05)  # the "prefill"
+            pool.commit(fresh)
+        await pool.wait_ready(m.pending)
+        assert all(pool.block(b).state is BlockState.READY for b in m.block_ids)
+        return [*m.block_ids, *fresh]
+
+    results: dict[str, list[int]] = {}
+    async with anyio.create_task_group() as tg:
+        for i, name in enumerate(("a", "b", "c")):
+            async def run(name=name, i=i):
+                results[name] = await request(name, i * 0.01)
+            tg.start_soon(run)
+    assert computed == ["a"]
+    assert results["a"] == results["b"] == results["c"]
+    assert pool.stats.inflight_hit_blocks == 4
+
+
+@pytest.mark.anyio
+async def test_waiters_of_an_aborted_block_get_a_typed_error_and_nothing_leaks():
+    pool = BlockPool(8, 16)
+    m1 = pool.match(A, FAMILY)
+    pool.acquire(m1, reader="a")
+    fresh = pool.allocate(2)
+    pool.register(m1, fresh, A, FAMILY, computed_by="a")
+    m2 = pool.match(A, FAMILY)
+    pool.acquire(m2, reader="b")
+    assert m2.pending == tuple(fresh)
+
+    async def abort_soon():
+        await anyio.sleep(0.01)
+        pool.abort(fresh[0])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(abort_soon)
+        with pytest.raises(BlockAborted):
+            await pool.wait_ready(m2.pending)
+    assert pool.match(A, FAMILY).num_cached_tokens == 0
+    pool.abort(fresh[1])
+    pool.release(fresh)
+    pool.release(m2.block_ids)
+    assert pool.usage().free == 8
+
+
+def test_a_computing_block_dropped_by_every_holder_is_unindexed_and_freed():
+    pool = BlockPool(4, 16)
+    m = pool.match(A, FAMILY)
+    fresh = pool.allocate(2)
+    pool.register(m, fresh, A, FAMILY, computed_by="a")
+    pool.release(fresh)  # e.g. the request was cancelled mid-prefill
+    assert pool.match(A, FAMILY).num_cached_tokens == 0 and pool.usage().free == 4
+    assert pool.stats.aborted_blocks == 2
+
+
+def test_protocol_misuse_is_refused():
+    pool = BlockPool(4, 16)
+    with pytest.raises(ValueError):
+        pool.allocate(-1)
+    with pytest.raises(PoolInvariantError):
+        pool.commit([0])  # never allocated
+    with pytest.raises(PoolInvariantError):
+        pool.pin([0], ttl=5)  # not cached
+    ids = pool.allocate(1)
+    with pytest.raises(ValueError):
+        pool.pin(ids, ttl=0)
+    with pytest.raises(ValueError):
+        BlockPool(0)
