@@ -296,11 +296,13 @@ class BlockPool:
         self.expire_pins()
         return n <= len(self._free) + len(self._evictable)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, *, contiguous: bool = False) -> list[int]:
         """``n`` private blocks, each held once. Evicts least recently used blocks if needed.
 
-        Raises :class:`PoolExhausted` (with nothing changed) if fewer than ``n`` blocks are free
-        or evictable.
+        With ``contiguous``, prefers a run of consecutive ids among the free blocks (so the
+        engine can read them as one view), falling back to the lowest free ids: contiguity is
+        best effort, never a reason to fail or to evict more. Raises :class:`PoolExhausted`
+        (with nothing changed) if fewer than ``n`` blocks are free or evictable.
         """
         if n < 0:
             raise ValueError("cannot allocate a negative number of blocks")
@@ -310,7 +312,10 @@ class BlockPool:
             bid, _ = self._evictable.popitem(last=False)
             self._free_block(self._blocks[bid])
             self.stats.evictions += 1
-        ids = [self._free.pop() for _ in range(n)]
+        if contiguous and n > 1:
+            ids = _take_run(self._free, n)
+        else:
+            ids = [self._free.pop() for _ in range(n)]
         for bid in ids:
             b = self._blocks[bid]
             b.state, b.ref_count = BlockState.PRIVATE, 1
@@ -462,3 +467,19 @@ class BlockPool:
     @property
     def pins(self) -> list[Pin]:
         return list(self._pins.values())
+
+
+def _take_run(free: list[int], n: int) -> list[int]:
+    """Remove and return ``n`` ids from ``free``: the lowest run of consecutive ids if one
+    exists, else the ``n`` lowest. ``free`` stays a stack of the rest (highest first)."""
+    ordered = sorted(free)
+    start = 0
+    for i in range(1, len(ordered) + 1):
+        if i - start == n:
+            break
+        if i < len(ordered) and ordered[i] != ordered[i - 1] + 1:
+            start = i
+    ids = ordered[start : start + n] if i - start == n else ordered[:n]
+    taken = set(ids)
+    free[:] = [b for b in reversed(ordered) if b not in taken]
+    return ids

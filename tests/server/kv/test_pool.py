@@ -233,3 +233,16 @@ def test_protocol_misuse_is_refused():
         pool.pin(ids, ttl=0)
     with pytest.raises(ValueError):
         BlockPool(0)
+
+
+def test_contiguous_allocation_prefers_a_run_and_falls_back_to_lowest_ids():
+    pool = BlockPool(10, 16)
+    assert pool.allocate(3, contiguous=True) == [0, 1, 2]
+    held = pool.allocate(7)
+    pool.release([held[i] for i in (1, 3, 4, 5)])  # frees 4, 6, 7, 8
+    assert sorted(pool.allocate(3, contiguous=True)) == [6, 7, 8]
+    pool.release(held[:1])  # frees 3; free now {3, 4}
+    assert pool.allocate(2, contiguous=True) == [3, 4]
+    pool.release([0, 2])  # not a run
+    assert pool.allocate(2, contiguous=True) == [0, 2]
+    assert pool.usage().free == 0

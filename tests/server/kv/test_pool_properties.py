@@ -72,7 +72,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.pins: list[tuple[object, list, float]] = []
 
     def _expire(self):
-        for entry in [p for p in self.pins if p[2] <= self.clock.now]:
+        # the pool releases expired pins earliest deadline first (ties: pinned first)
+        for entry in sorted((p for p in self.pins if p[2] <= self.clock.now), key=lambda p: p[2]):
             self.pins.remove(entry)
             self.model.release(entry[1])
 

@@ -1,0 +1,124 @@
+"""Sampling: from a step's logits to each request's next token, with its own random generator.
+
+Each request owns a ``torch.Generator`` seeded from its seed (or from fresh entropy) and draws
+exactly one sample per step from it, whatever else is in the batch: a seeded request gives the
+same tokens alone and inside any batch (DESIGN §4).
+
+Per row, in order: temperature (0 = greedy) → top-k → top-p (nucleus) → sample. Log-probabilities
+are those of the model's distribution (log-softmax of the raw logits), as vLLM and OpenAI
+report them, for the chosen token and the ``logprobs`` most likely ones.
+
+>>> import torch
+>>> params = SamplingParams(temperature=0.0, logprobs=2)
+>>> out = sample(torch.tensor([[0.0, 3.0, 1.0]]), [params], [None])[0]
+>>> out.token_id, [t for t, _ in out.top_logprobs]
+(1, [1, 2])
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from server.engine.errors import InvalidRequest
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops. Validated on construction."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only; k: and top k
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self) -> torch.Generator:
+        """A fresh generator for one request: seeded, or from OS entropy."""
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else random.SystemRandom().getrandbits(63))
+        return g
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[Sampled]:
+    """One token per row of ``logits`` [rows, vocab]. ``generators[i]`` may be None for greedy rows."""
+    logits = logits.float()
+    out: list[Sampled] = []
+    want_lp = any(p.logprobs is not None for p in params)
+    logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+    for i, p in enumerate(params):
+        row = logits[i]
+        if p.greedy:
+            token = int(torch.argmax(row))
+        else:
+            g = generators[i]
+            if g is None:
+                raise ValueError("a sampled (temperature > 0) row needs its generator")
+            token = _draw(row, p, g)
+        if p.logprobs is None or logprobs is None:
+            out.append(Sampled(token))
+            continue
+        lp = logprobs[i]
+        top: list[tuple[int, float]] = []
+        if p.logprobs:
+            vals, idx = torch.topk(lp, p.logprobs)
+            top = list(zip(idx.tolist(), vals.tolist(), strict=True))
+        out.append(Sampled(token, float(lp[token]), top))
+    return out
+
+
+def _draw(row: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
+    scaled = row / p.temperature
+    if p.top_k and p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # keep the smallest set whose mass reaches top_p (always at least the top token)
+        drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    # One fixed-size draw per step from the request's own generator: batch-independent.
+    return int(torch.multinomial(probs, 1, generator=g))

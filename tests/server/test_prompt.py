@@ -1,0 +1,86 @@
+import pytest
+
+from server.engine.errors import InvalidRequest
+from server.prompt import Placement, chat_prompt, text_prompt
+
+CONTEXT = [{"role": "user", "content": "Here is the shared document: alpha beta gamma."}]
+TURN = [{"role": "user", "content": "Which word comes second?"}]
+
+
+def decode(tok, ids):
+    return tok.decode(list(ids))
+
+
+def test_turn_ip_is_the_first_token_of_the_agents_final_turn(smollm2_tokenizer):
+    p = chat_prompt(smollm2_tokenizer, CONTEXT, TURN)
+    ip = p.invocation_point(Placement.TURN)
+    assert decode(smollm2_tokenizer, p.token_ids[:ip]).endswith("alpha beta gamma.<|im_end|>\n")
+    assert decode(smollm2_tokenizer, p.token_ids[ip:]) == (
+        "<|im_start|>user\nWhich word comes second?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert ip == p.context_len  # a single-message turn starts right after the context
+
+
+def test_header_ip_is_the_first_token_of_the_generation_prompt(smollm2_tokenizer):
+    p = chat_prompt(smollm2_tokenizer, CONTEXT, TURN)
+    ip = p.invocation_point(Placement.HEADER)
+    assert decode(smollm2_tokenizer, p.token_ids[ip:]) == "<|im_start|>assistant\n"
+    assert decode(smollm2_tokenizer, p.token_ids[ip - 1 : ip]) == "\n"
+
+
+def test_the_shared_context_is_identical_across_agents(smollm2_tokenizer):
+    a = chat_prompt(smollm2_tokenizer, CONTEXT, TURN)
+    b = chat_prompt(smollm2_tokenizer, CONTEXT, [{"role": "user", "content": "Plan the work."}])
+    assert a.token_ids[: a.context_len] == b.token_ids[: b.context_len]
+    assert a.token_ids[a.context_len] == b.token_ids[b.context_len]  # both start <|im_start|>
+
+
+def test_agent_private_history_sits_before_the_ip_of_its_final_turn(smollm2_tokenizer):
+    turn = [*TURN, {"role": "assistant", "content": "beta"}, {"role": "user", "content": "Sure?"}]
+    p = chat_prompt(smollm2_tokenizer, CONTEXT, turn)
+    assert p.context_len < p.turn_start < p.header_start < len(p.token_ids)
+    assert decode(smollm2_tokenizer, p.token_ids[p.turn_start : p.header_start]).startswith(
+        "<|im_start|>user\nSure?"
+    )
+
+
+def test_text_prompt_boundaries(smollm2_tokenizer):
+    p = text_prompt(smollm2_tokenizer, "Shared text.", " Agent question:")
+    assert p.context_len == len(smollm2_tokenizer.encode("Shared text.", add_special_tokens=False))
+    assert p.invocation_point(Placement.TURN) == p.context_len
+    # no header in plain text: the IP is capped at the last prompt token
+    assert p.invocation_point(Placement.HEADER) == len(p.token_ids) - 1
+
+
+@pytest.mark.parametrize(
+    "context, turn, msg",
+    [
+        (CONTEXT, [], "turn is empty"),
+        ([{"role": "user"}], TURN, "string 'role' and 'content'"),
+        ([{"role": "user", "content": 3}], TURN, "string 'role' and 'content'"),
+    ],
+)
+def test_bad_messages_are_refused(smollm2_tokenizer, context, turn, msg):
+    with pytest.raises(InvalidRequest, match=msg):
+        chat_prompt(smollm2_tokenizer, context, turn)
+
+
+def test_empty_text_prompt_is_refused(smollm2_tokenizer):
+    with pytest.raises(InvalidRequest, match="empty"):
+        text_prompt(smollm2_tokenizer, "", "")
+
+
+class RewritingTemplate:
+    """A template that numbers messages from the end: earlier text changes as messages are added."""
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        n = len(messages)
+        return "".join(f"[{n - i}]{m['content']}" for i, m in enumerate(messages))
+
+    def encode(self, text, add_special_tokens):
+        return [ord(c) for c in text]
+
+
+def test_a_template_that_is_not_prefix_stable_is_refused():
+    with pytest.raises(InvalidRequest, match="prefix-stable"):
+        chat_prompt(RewritingTemplate(), CONTEXT, TURN)
