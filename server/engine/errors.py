@@ -25,11 +25,13 @@ class InvalidRequest(EngineError, ValueError):
 
 
 class PromptTooLong(InvalidRequest):
-    def __init__(self, prompt_tokens: int, limit: int) -> None:
+    """The prompt (plus room to generate) does not fit the model's context or the KV pool."""
+
+    def __init__(self, prompt_tokens: int, limit: int, *, what: str = "the model's context") -> None:
         self.prompt_tokens, self.limit = prompt_tokens, limit
         super().__init__(
-            f"the prompt has {prompt_tokens} tokens but the model's context holds {limit} "
-            "(prompt plus max_tokens); shorten the prompt or lower max_tokens"
+            f"the request needs {prompt_tokens} tokens but {what} holds {limit}; "
+            "shorten the prompt or lower max_tokens"
         )
 
 

@@ -42,6 +42,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only; k: and top k
+    forced_tokens: tuple[int, ...] = ()
+    """Teacher forcing: emit these tokens in order instead of sampling (scoring a given
+    continuation; its logprobs are reported as for sampled tokens). Sampling resumes after."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -57,6 +60,7 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "forced_tokens", tuple(self.forced_tokens))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
@@ -81,15 +85,19 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    forced: Sequence[int | None] | None = None,
 ) -> list[Sampled]:
-    """One token per row of ``logits`` [rows, vocab]. ``generators[i]`` may be None for greedy rows."""
+    """One token per row of ``logits`` [rows, vocab]. ``generators[i]`` may be None for greedy
+    rows; ``forced[i]``, if not None, is taken instead of sampling (teacher forcing)."""
     logits = logits.float()
     out: list[Sampled] = []
     want_lp = any(p.logprobs is not None for p in params)
     logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
     for i, p in enumerate(params):
         row = logits[i]
-        if p.greedy:
+        if forced is not None and forced[i] is not None:
+            token = int(forced[i])  # type: ignore[arg-type]
+        elif p.greedy:
             token = int(torch.argmax(row))
         else:
             g = generators[i]

@@ -464,6 +464,10 @@ class BlockPool:
                 expired += 1
         return expired
 
+    def is_pinned(self, pin: Pin) -> bool:
+        """True while ``pin`` holds its blocks (not unpinned, not expired)."""
+        return pin.id in self._pins
+
     @property
     def pins(self) -> list[Pin]:
         return list(self._pins.values())

@@ -1,0 +1,182 @@
+"""The engine on its own thread, for asyncio callers (the HTTP server).
+
+torch releases the GIL while it computes, so one engine thread steps the core while the event
+loop keeps serving HTTP. The core is owned by that thread alone: callers talk to it through a
+command queue, and get their tokens back through one asyncio queue per request::
+
+    event loop                          engine thread
+    ──────────                          ─────────────
+    generate() ── Add ───────────────▶  core.add_request()  (typed errors come back raised)
+         ◀──────── TokenEvent ───────── core.step() ... per token
+    (consumer leaves) ── Cancel ─────▶  core.cancel(): KV freed
+    run(fn) ───────── Call ──────────▶  fn(core)  (stats, pins: anything touching the core)
+
+>>> import asyncio
+>>> async def demo(engine):                                     # doctest: +SKIP
+...     async for event in engine.generate("r1", "base", prompt, SamplingParams(max_tokens=8)):
+...         print(event.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from server.engine.core import EngineCore
+from server.engine.errors import EngineError
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import TokenEvent
+from server.prompt import Prompt
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    module: str
+    prompt: Prompt
+    params: SamplingParams
+    salt: str
+    sink: Callable[[TokenEvent], None]
+    done: concurrent.futures.Future[None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    fn: Callable[[EngineCore], Any]
+    done: concurrent.futures.Future[Any]
+
+
+class EngineClosed(EngineError):
+    """The engine was shut down."""
+
+
+class AsyncEngine:
+    """Drive an :class:`EngineCore` from a background thread; stream tokens to asyncio."""
+
+    def __init__(self, core: EngineCore, *, idle_wait: float = 0.05) -> None:
+        self.core = core
+        self._inbox: queue.SimpleQueue[_Add | _Cancel | _Call | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
+        self._idle_wait = idle_wait
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="agentshare-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (event loop) ----------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = ""
+    ) -> AsyncIterator[TokenEvent]:
+        """Submit a request and stream its events; leaving the loop early cancels it."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def sink(event: TokenEvent) -> None:  # runs on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._send(_Add(request_id, module, prompt, params, salt, sink, done))
+        await asyncio.wrap_future(done)  # raises the core's typed error for a bad request
+        finished = False
+        try:
+            while not finished:
+                event = await events.get()
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            if not finished:
+                self._send(_Cancel(request_id), quiet=True)
+
+    async def run(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run ``fn(core)`` on the engine thread and return its result."""
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._send(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def close(self) -> None:
+        """Stop the thread; requests still running end with a cancellation."""
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(None)
+            self._thread.join(timeout=30)
+
+    def _send(self, cmd: _Add | _Cancel | _Call, *, quiet: bool = False) -> None:
+        if self._closed:
+            if quiet:
+                return
+            raise EngineClosed("the engine is shut down")
+        self._inbox.put(cmd)
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        idle = True
+        while True:
+            # Block for a command only when there is nothing to step (or the last step could
+            # not progress: e.g. waiting requests need KV that pins still hold); otherwise take
+            # what has arrived and step again.
+            cmds: list[Any] = []
+            if idle:
+                try:
+                    cmds.append(self._inbox.get(timeout=None if not self.core.has_work else self._idle_wait))
+                except queue.Empty:
+                    pass
+            while True:
+                try:
+                    cmds.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in cmds:
+                if cmd is None:
+                    self._shutdown()
+                    return
+                self._handle(cmd)
+            steps = self.core.stats.steps
+            events = self.core.step() if self.core.has_work else []
+            for event in events:
+                self._deliver(event)
+            idle = not events and self.core.stats.steps == steps
+
+    def _handle(self, cmd: _Add | _Cancel | _Call) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                self.core.add_request(cmd.request_id, cmd.module, cmd.prompt, cmd.params, salt=cmd.salt)
+            except Exception as exc:
+                cmd.done.set_exception(exc)
+                return
+            self._sinks[cmd.request_id] = cmd.sink
+            cmd.done.set_result(None)
+        elif isinstance(cmd, _Cancel):
+            event = self.core.cancel(cmd.request_id)
+            if event is not None:
+                self._deliver(event)
+        else:
+            try:
+                cmd.done.set_result(cmd.fn(self.core))
+            except Exception as exc:
+                cmd.done.set_exception(exc)
+
+    def _deliver(self, event: TokenEvent) -> None:
+        sink = self._sinks.get(event.request_id)
+        if event.finish_reason is not None:
+            self._sinks.pop(event.request_id, None)
+        if sink is not None:
+            sink(event)
+
+    def _shutdown(self) -> None:
+        for seq in list(self.core.waiting) + list(self.core.running):
+            event = self.core.cancel(seq.request_id)
+            if event is not None:
+                self._deliver(event)

@@ -1,0 +1,113 @@
+"""Attention as a cascade of partials merged through their log-sum-exp.
+
+A query's keys are split into disjoint parts, each attended separately; a part returns its
+softmax-weighted values ``o_i`` and the log-sum-exp ``l_i`` of its scores, and the parts merge
+exactly::
+
+    l = log(sum_i exp(l_i))            o = sum_i exp(l_i - l) * o_i
+
+The engine uses up to three parts per query (DESIGN §4)::
+
+    positions:  0 ........ P-1 | P ....... start-1 | start ... start+n-1
+                shared prefix  | request's history | the new chunk
+                (one strided   | (its own slots)   | (causal among
+                 view, read once                   |  themselves)
+                 for the batch)
+
+Layout conventions (GQA: ``G = num_heads // num_kv_heads`` query heads share a KV head):
+queries ``[T, Hkv, G, D]``; the KV cache ``[Hkv, slots, D]`` (``server.kv.storage``).
+
+On the CPU each part runs torch's flash kernel, which returns the LSE alongside the output;
+elsewhere an explicit ``matmul + logsumexp`` reference (:func:`reference_partial`) does.
+
+>>> q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 6, 16), torch.randn(2, 4, 6, 16)
+>>> a = reference_partial(q, k[..., :3, :], v[..., :3, :])
+>>> b = reference_partial(q, k[..., 3:, :], v[..., 3:, :])
+>>> o, _ = merge_partials([a, b])
+>>> torch.allclose(o, reference_partial(q, k, v).out, atol=1e-6)
+True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """Attention over one part of the keys: output ``[..., L, D]`` and LSE ``[..., L]`` (fp32)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def partial_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> Partial:
+    """Softmax attention of ``q`` [B, H, Lq, D] over ``k``/``v`` [B, H, Lk, D] with its LSE.
+
+    ``causal`` masks key ``j > i`` (top-left aligned: use it when Lq == Lk); ``mask`` is an
+    additive mask broadcastable to [B, H, Lq, Lk]. Inputs may be strided views (e.g. expanded
+    KV heads, or blocks of the KV storage); nothing is copied on the CPU path.
+
+    >>> q = torch.randn(1, 2, 3, 8); kv = torch.randn(1, 2, 3, 8)
+    >>> p = partial_attention(q, kv, kv, causal=True)
+    >>> torch.allclose(p.out, reference_partial(q, kv, kv, causal=True).out, atol=1e-6)
+    True
+    """
+    if q.device.type == "cpu":
+        if mask is not None:
+            mask = mask.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
+        return Partial(out, lse)
+    return reference_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+
+
+def reference_partial(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> Partial:
+    """The same as :func:`partial_attention`, spelled out: ``softmax(q k^T * scale + mask) v``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return Partial(out.to(q.dtype), lse)
+
+
+def merge_partials(parts: list[Partial]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partials over disjoint key sets into the attention over their union.
+
+    Outputs must share one shape; the merge runs in fp32 and returns ``(out, lse)`` with
+    ``out`` in the first partial's dtype. A part whose keys were all masked (LSE ``-inf``)
+    contributes nothing.
+    """
+    if len(parts) == 1:
+        return parts[0].out, parts[0].lse
+    lse = torch.stack([p.lse for p in parts]).logsumexp(dim=0)
+    out = torch.zeros(parts[0].out.shape, dtype=torch.float32, device=parts[0].out.device)
+    for p in parts:
+        weight = torch.exp(p.lse - lse).nan_to_num_(0.0)
+        out.addcmul_(p.out.float(), weight[..., None])
+    return out.to(parts[0].out.dtype), lse

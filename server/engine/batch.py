@@ -1,0 +1,204 @@
+"""One forward step's batch: which tokens run, where their KV goes, what each token attends.
+
+The caller (the scheduler) describes each request's part of a step as a :class:`Chunk`; the
+step's :class:`StepPlan` is computed from them once, before the forward, and serves every
+layer::
+
+    request r:  positions 0 .. P-1 | P .. start-1 | start .. start+n-1
+                 prefix (shared,    | history      | new tokens (their K/V are
+                 consecutive blocks)| (own slots)  |  written to their slots)
+                 ╰ Chunk.prefix     ╰──────── Chunk.slots ────────╯
+
+Requests with the same :class:`SharedPrefix` form one *prefix group*: the prefix's K/V are read
+once for all their queries. Requests with one new token (decode) attend their own slots in one
+padded, masked batch; requests with a chunk of several tokens (chunked prefill) attend their
+history and, causally, their own chunk.
+
+>>> import torch
+>>> pre = SharedPrefix(first_block=0, num_tokens=20)             # blocks 0, 1 (block size 16)
+>>> a = Chunk([5], start=22, slots=torch.tensor([32, 33, 34]), prefix=pre)
+>>> b = Chunk([7], start=20, slots=torch.tensor([48]), prefix=pre)
+>>> plan = plan_step([a, b], block_size=16)
+>>> plan.positions.tolist(), plan.write_slots.tolist(), plan.prefix_groups[0].rows
+([22, 20], [34, 48], None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """Positions ``[0, num_tokens)`` of a request, in consecutive blocks from ``first_block``."""
+
+    first_block: int
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.first_block < 0 or self.num_tokens < 0:
+            raise ValueError(f"invalid shared prefix {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A request's new tokens in one step.
+
+    ``slots`` are the KV slots of positions ``[prefix_len, start + n)`` in order: the request's
+    history first (already written), then one slot per new token (written by this step).
+    """
+
+    token_ids: Sequence[int] | torch.Tensor
+    start: int
+    slots: torch.Tensor
+    prefix: SharedPrefix | None = None
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prefix_len(self) -> int:
+        return self.prefix.num_tokens if self.prefix is not None else 0
+
+    def validate(self) -> None:
+        n = self.num_new
+        if n < 1:
+            raise ValueError("a chunk needs at least one new token")
+        if self.start < self.prefix_len:
+            raise ValueError(f"chunk starts at {self.start}, inside its prefix of {self.prefix_len}")
+        expected = self.start + n - self.prefix_len
+        if self.slots.ndim != 1 or self.slots.numel() != expected:
+            raise ValueError(
+                f"chunk at {self.start} with {n} new tokens after a prefix of {self.prefix_len} "
+                f"needs {expected} slots, got {tuple(self.slots.shape)}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixGroup:
+    """Query rows attending one shared prefix (slots ``[slot_start, slot_start + num_tokens)``)."""
+
+    slot_start: int
+    num_tokens: int
+    rows: torch.Tensor | None  # None: every row of the step, in order
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Single-token requests: each attends its own slots through a padded gather + mask."""
+
+    rows: torch.Tensor | None  # None: every row of the step, in order
+    gather: torch.Tensor  # [R, Lmax] slots (padding repeats a valid slot)
+    mask: torch.Tensor  # [R, 1, 1, Lmax] additive: 0 where attended, -inf on padding
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPart:
+    """A multi-token chunk: rows ``[lo, hi)`` attend their history and (causally) themselves."""
+
+    lo: int
+    hi: int
+    history: slice | torch.Tensor | None  # a contiguous slot range, slot indices, or nothing
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write_slots: torch.Tensor  # [T]
+    prefix_groups: tuple[PrefixGroup, ...]
+    decode: DecodeGroup | None
+    chunks: tuple[ChunkPart, ...]
+    logit_rows: torch.Tensor | None  # rows whose logits are returned; None: all rows
+    row_spans: tuple[tuple[int, int], ...] = field(default=())  # request i -> rows [lo, hi)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+
+def plan_step(
+    chunks: Sequence[Chunk],
+    *,
+    block_size: int,
+    all_logits: bool = False,
+    mask_dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> StepPlan:
+    """Lay out one forward step. Logits: each request's last token, or every token.
+
+    Rows follow the order of ``chunks``; request ``i`` owns rows ``plan.row_spans[i]``.
+    """
+    if not chunks:
+        raise ValueError("a step needs at least one chunk")
+    ids, positions, writes, spans = [], [], [], []
+    row = 0
+    for c in chunks:
+        c.validate()
+        n = c.num_new
+        ids.append(torch.as_tensor(c.token_ids, dtype=torch.long).reshape(-1))
+        positions.append(torch.arange(c.start, c.start + n, dtype=torch.long))
+        writes.append(c.slots[-n:].to(torch.long))
+        spans.append((row, row + n))
+        row += n
+    total = row
+
+    def as_rows(rows: list[int]) -> torch.Tensor | None:
+        if rows == list(range(total)):
+            return None
+        return torch.tensor(rows, dtype=torch.long, device=device)
+
+    groups: dict[SharedPrefix, list[int]] = {}
+    for c, (lo, hi) in zip(chunks, spans, strict=True):
+        if c.prefix is not None and c.prefix.num_tokens > 0:
+            groups.setdefault(c.prefix, []).extend(range(lo, hi))
+    prefix_groups = tuple(
+        PrefixGroup(p.first_block * block_size, p.num_tokens, as_rows(rows))
+        for p, rows in groups.items()
+    )
+
+    decode_idx = [i for i, c in enumerate(chunks) if c.num_new == 1]
+    decode = None
+    if decode_idx:
+        lengths = [chunks[i].slots.numel() for i in decode_idx]
+        width = max(lengths)
+        gather = torch.empty(len(decode_idx), width, dtype=torch.long)
+        mask = torch.full((len(decode_idx), 1, 1, width), float("-inf"), dtype=mask_dtype)
+        for j, (i, n) in enumerate(zip(decode_idx, lengths, strict=True)):
+            gather[j, :n] = chunks[i].slots
+            gather[j, n:] = chunks[i].slots[-1]
+            mask[j, ..., :n] = 0.0
+        decode = DecodeGroup(
+            as_rows([spans[i][0] for i in decode_idx]), gather.to(device), mask.to(device)
+        )
+
+    parts = []
+    for c, (lo, hi) in zip(chunks, spans, strict=True):
+        if c.num_new > 1:
+            parts.append(ChunkPart(lo, hi, _history(c.slots[: -c.num_new])))
+
+    logit_rows = None if all_logits else as_rows([hi - 1 for _, hi in spans])
+    return StepPlan(
+        token_ids=torch.cat(ids).to(device),
+        positions=torch.cat(positions).to(device),
+        write_slots=torch.cat(writes).to(device),
+        prefix_groups=prefix_groups,
+        decode=decode,
+        chunks=tuple(parts),
+        logit_rows=logit_rows,
+        row_spans=tuple(spans),
+    )
+
+
+def _history(slots: torch.Tensor) -> slice | torch.Tensor | None:
+    """A contiguous run of slots becomes a slice (read as a view, never copied)."""
+    if slots.numel() == 0:
+        return None
+    first = int(slots[0])
+    if slots.numel() == 1 or bool((slots[1:] - slots[:-1] == 1).all()):
+        return slice(first, first + slots.numel())
+    return slots.to(torch.long)

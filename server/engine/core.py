@@ -1,0 +1,425 @@
+"""The engine core: admission, continuous batching and sampling over one shared KV pool.
+
+Synchronous and loop-free: ``add_request`` queues, ``step`` runs one forward step of every
+running request and returns their new tokens. ``AsyncEngine`` drives it from a thread.
+
+One step::
+
+    admit waiting requests (FIFO) while the pool can reserve prompt + max_tokens for them:
+        match the prompt's cached chain (shared blocks of the family, the module's own blocks)
+        register the blocks it will compute, so later arrivals wait for them (one prefill)
+    schedule: one token per decoding request, then prefill chunks within max_step_tokens
+    run: one forward for the base and every LoRA module (per-row deltas from the IP on),
+         one per full module (its rows at or after the IP); shared prefixes read once
+    sample the requests whose prompt is done; stream tokens; finish on stop/length
+
+Who computes a position is decided here, once (DESIGN §2): positions < IP by the base,
+positions >= IP by the module; a module without a family manifest has IP 0 (private prefill).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+import torch
+
+from server.engine.batch import Chunk, SharedPrefix, plan_step
+from server.engine.detokenize import Decoder, TextStream
+from server.engine.errors import InvalidRequest, Overloaded, PromptTooLong, UnknownModule
+from server.engine.forward import LlamaForward
+from server.engine.projection import LowRank, Projection, RowDeltaProjection
+from server.engine.sampling import SamplingParams, sample
+from server.engine.sequence import FinishReason, Phase, Sequence, TokenEvent
+from server.kv.keys import Layout, Namespace
+from server.kv.pool import BlockPool, BlockState, Pin, PrefixMatch
+from server.kv.storage import KVStorage
+from server.modules.manifest import ModuleKind
+from server.modules.registry import DecodeModule
+from server.prompt import Prompt
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Engine knobs. ``share_prefill=False`` keys every cache by module, as engines do today
+    (the baseline arm of the benchmarks)."""
+
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    max_step_tokens: int = 512
+    max_running: int = 64
+    max_waiting: int = 1024
+    share_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_step_tokens <= 0 or self.max_running <= 0:
+            raise ValueError("block_size, max_step_tokens and max_running must be positive")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start; tokens, not blocks."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # not computed by their request: shared, cached or in flight
+    prefill_tokens: int = 0  # prompt positions computed
+    base_rows: int = 0  # positions computed with the base weights (prefill and decode)
+    module_rows: int = 0  # positions computed with a module's weights (LoRA or full)
+    decode_tokens: int = 0
+    steps: int = 0
+    finished: int = 0
+    replans: int = 0  # requests that re-planned after a block they awaited was abandoned
+
+
+class EngineCore:
+    """Serve requests for any decode module of one family from one KV pool."""
+
+    def __init__(
+        self,
+        forward: LlamaForward,
+        tokenizer: Decoder,
+        *,
+        family: str,
+        modules: Mapping[str, DecodeModule],
+        eos_token_ids: tuple[int, ...] = (),
+        config: EngineConfig = EngineConfig(),
+        logits_hook: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> None:
+        """``logits_hook(request_id, logits)`` sees every row of logits a request samples from
+        (evaluation and tests; off the hot path when None)."""
+        self.forward, self.tokenizer, self.family, self.config = forward, tokenizer, family, config
+        self.logits_hook = logits_hook
+        self.modules = dict(modules)
+        self._base_name = next((n for n, m in self.modules.items() if m.is_base), "")
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv = KVStorage.from_budget(
+            forward.kv_spec(), budget_bytes=config.kv_cache_bytes, block_size=config.block_size
+        )
+        self.pool = BlockPool(self.kv.num_blocks, config.block_size, bytes_per_block=self.kv.bytes_per_block)
+        self.max_context = forward.weights.shape.max_context
+        self.stats = EngineStats()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.contexts: dict[str, Pin] = {}  # pinned shared contexts by id
+        self._lora_index: dict[str, int] = {}
+        self._deltas: dict[tuple[int, int, str], list[LowRank]] = {}
+        self._full: dict[str, LlamaForward] = {}
+        for name, m in self.modules.items():
+            if m.kind is ModuleKind.LORA:
+                idx = self._lora_index.setdefault(name, len(self._lora_index))
+                for (layer, proj), updates in m.deltas.items():
+                    self._deltas[(idx, layer, proj)] = updates
+            elif m.kind is ModuleKind.FULL:
+                assert m.weights is not None
+                self._full[name] = LlamaForward(m.weights, forward.rope)
+
+    def with_config(self, config: EngineConfig) -> EngineCore:
+        """A new engine on the same model and modules, with its own empty KV pool."""
+        return EngineCore(
+            self.forward, self.tokenizer, family=self.family, modules=self.modules,
+            eos_token_ids=tuple(sorted(self.eos_token_ids)), config=config, logits_hook=self.logits_hook,
+        )
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = ""
+    ) -> Sequence:
+        """Queue a request. Raises a typed error for anything that could never be served."""
+        m = self.modules.get(module)
+        if m is None:
+            raise UnknownModule(module, list(self.modules))
+        n = len(prompt.token_ids)
+        if n + 1 > self.max_context:
+            raise PromptTooLong(n + 1, self.max_context)
+        if any(not 0 <= t < self.forward.weights.shape.vocab_size for t in prompt.token_ids):
+            raise InvalidRequest("the prompt holds token ids outside the model's vocabulary")
+        capacity = min(n + params.max_tokens, self.max_context)
+        if math.ceil(capacity / self.config.block_size) > self.pool.capacity:
+            raise PromptTooLong(capacity, self.pool.capacity * self.config.block_size, what="the whole KV pool")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise Overloaded(f"{len(self.waiting)} requests are already waiting; retry later")
+        ip, layout = self._layout(m, prompt, salt)
+        seq = Sequence(
+            request_id, m, self._lora_index.get(module, -1), prompt, ip, params, layout,
+            TextStream(self.tokenizer, params.stop), None if params.greedy else params.generator(),
+            capacity,
+        )
+        self.waiting.append(seq)
+        self.stats.prompt_tokens += n
+        return seq
+
+    def _layout(self, m: DecodeModule, prompt: Prompt, salt: str) -> tuple[int, Layout]:
+        """The invocation point and block namespaces of a request: DESIGN §2 in one place."""
+        n = len(prompt.token_ids)
+        if m.is_base:
+            ip = n
+        elif m.shares_prefill:
+            ip = prompt.invocation_point(m.placement)
+        else:
+            ip = 0  # private prefill: the module computes everything itself
+        fam = self.family if self.config.share_prefill else f"{self.family}/{m.name}"
+        family_ns = Namespace.family(fam, salt=salt)
+        if m.is_base:
+            return ip, Layout(family_ns)
+        return ip, Layout(family_ns, Namespace.module(m.digest, invocation_point=ip, salt=salt))
+
+    def explain(self, module: str, prompt: Prompt, *, salt: str = "") -> PrefixMatch:
+        """What the cache holds for this request right now (a pure query): how many of its
+        full blocks would hit, and the index of the first that would not."""
+        m = self.modules.get(module)
+        if m is None:
+            raise UnknownModule(module, list(self.modules))
+        _, layout = self._layout(m, prompt, salt)
+        return self.pool.match(list(prompt.token_ids), layout)
+
+    def add_context(
+        self, context_id: str, token_ids: SequenceOf[int], *, ttl: float, salt: str = "", module: str | None = None
+    ) -> Sequence:
+        """Prefill a shared context with the base and pin its full blocks for ``ttl`` seconds.
+
+        Ends with a ``PREFILLED`` event; the pin is then in ``contexts[context_id]`` until
+        :meth:`release_context` or expiry. Requests whose prompt starts with these tokens (any
+        module of the family, same salt) read the pinned blocks instead of recomputing them.
+        """
+        if ttl <= 0:
+            raise InvalidRequest("a context's ttl must be positive")
+        if context_id in self.contexts and self.pool.is_pinned(self.contexts[context_id]):
+            raise InvalidRequest(f"context {context_id!r} already exists")
+        n = len(token_ids)
+        prompt = Prompt(tuple(token_ids), n, n, n)
+        seq = self.add_request(context_id, module or self._base_name, prompt, SamplingParams(max_tokens=1), salt=salt)
+        seq.capacity, seq.pin_ttl = n, ttl
+        return seq
+
+    def release_context(self, context_id: str) -> bool:
+        """Unpin a context; False if it is unknown or already expired."""
+        pin = self.contexts.pop(context_id, None)
+        return pin is not None and self.pool.unpin(pin)
+
+    def cancel(self, request_id: str) -> TokenEvent | None:
+        """Stop a request wherever it is and free its KV. None if it is not (or no longer) here."""
+        for seq in list(self.waiting) + self.running:
+            if seq.request_id == request_id:
+                return self._finish(seq, FinishReason.CANCELLED)
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        if self.pool.expire_pins():
+            self.contexts = {k: p for k, p in self.contexts.items() if self.pool.is_pinned(p)}
+        self._admit()
+        events: list[TokenEvent] = []
+        self._resolve_pending()
+        work = self._schedule()
+        if not work:
+            return events
+        self.stats.steps += 1
+        try:
+            logits = self._run(work)
+        except Exception as exc:  # a bug or resource error: fail this step's requests, keep serving
+            for seq, _, _ in work:
+                events.append(self._finish(seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}"))
+            return events
+        sampled_seqs, rows = [], []
+        for (seq, start, n), row in zip(work, logits, strict=True):
+            seq.num_computed = start + n
+            self._commit_blocks(seq)
+            if seq.num_computed == len(seq.tokens) and seq.pin_ttl is not None:
+                events.append(self._pin_context(seq))
+            elif seq.num_computed == len(seq.tokens):  # prompt done, or a decode step
+                sampled_seqs.append(seq)
+                rows.append(row)
+        if sampled_seqs:
+            if self.logits_hook is not None:
+                for seq, row in zip(sampled_seqs, rows, strict=True):
+                    self.logits_hook(seq.request_id, row)
+            forced = [_forced(s) for s in sampled_seqs]
+            outs = sample(torch.stack(rows), [s.params for s in sampled_seqs],
+                          [s.generator for s in sampled_seqs], forced)
+            for seq, out in zip(sampled_seqs, outs, strict=True):
+                events.append(self._emit(seq, out.token_id, out.logprob, out.top_logprobs))
+        return events
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            if not self._reserve(seq):
+                return  # FIFO: wait for memory to free up
+            self.waiting.popleft()
+            self.running.append(seq)
+
+    def _reserve(self, seq: Sequence) -> bool:
+        prompt, bs = list(seq.prompt.token_ids), self.config.block_size
+        match = self.pool.match(prompt, seq.layout)
+        if match.num_cached_tokens >= len(prompt):  # compute at least the last prompt token
+            ids = match.block_ids[:-1]
+            match = PrefixMatch(match.keys, ids, tuple(b for b in match.pending if b in ids), bs)
+        need = math.ceil(seq.capacity / bs) - len(match.block_ids)
+        if not self.pool.can_allocate(need):
+            return False
+        self.pool.acquire(match, reader=seq.module.name)
+        fresh = self.pool.allocate(need, contiguous=True)
+        self.pool.register(match, fresh, prompt, seq.layout, computed_by=seq.module.name)
+        seq.blocks = [*match.block_ids, *fresh]
+        seq.slot_table = self.kv.slots(seq.blocks)[: seq.capacity]
+        seq.match, seq.pending = match, match.pending
+        seq.num_computed = seq.cached_tokens = match.num_cached_tokens
+        seq.num_committed_blocks = len(match.block_ids)
+        seq.phase = Phase.PREFILL
+        self.stats.cached_prompt_tokens += seq.cached_tokens
+        return True
+
+    def _resolve_pending(self) -> None:
+        for seq in [s for s in self.running if s.pending]:
+            states = {self.pool.block(b).state for b in seq.pending}
+            if states <= {BlockState.READY}:
+                seq.pending = ()
+            elif not states <= {BlockState.READY, BlockState.COMPUTING}:
+                self._replan(seq)  # its producer gave up: start over from a fresh match
+
+    def _replan(self, seq: Sequence) -> None:
+        self._drop_blocks(seq)
+        self.running.remove(seq)
+        self.stats.cached_prompt_tokens -= seq.cached_tokens
+        seq.phase, seq.pending, seq.num_computed, seq.cached_tokens = Phase.WAITING, (), 0, 0
+        self.waiting.appendleft(seq)
+        self.stats.replans += 1
+
+    def _schedule(self) -> list[tuple[Sequence, int, int]]:
+        work: list[tuple[Sequence, int, int]] = []
+        budget = self.config.max_step_tokens
+        for seq in self.running:
+            if seq.phase is Phase.DECODE:
+                work.append((seq, len(seq.tokens) - 1, 1))
+                budget -= 1
+        for seq in self.running:
+            if seq.phase is not Phase.PREFILL or seq.pending or budget <= 0:
+                continue
+            start = seq.num_computed
+            n = min(budget, seq.prompt_len - start)
+            if seq.module.kind is ModuleKind.FULL and start < seq.invocation_point:
+                n = min(n, seq.invocation_point - start)  # base rows and module rows run apart
+            work.append((seq, start, n))
+            budget -= n
+        return work
+
+    def _run(self, work: list[tuple[Sequence, int, int]]) -> list[torch.Tensor]:
+        """Logits of the last row of each work item, in order."""
+        calls: dict[str | None, list[int]] = {}
+        for i, (seq, start, _) in enumerate(work):
+            full = seq.module.kind is ModuleKind.FULL and start >= seq.invocation_point
+            calls.setdefault(seq.module.name if full else None, []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(work)
+        for name, idx in calls.items():
+            items = [work[i] for i in idx]
+            plan = plan_step([self._chunk(*it) for it in items], block_size=self.config.block_size)
+            fwd = self.forward if name is None else self._full[name]
+            logits = fwd(plan, self.kv, projection=self._projection(items) if name is None else None)
+            for i, row in zip(idx, logits, strict=True):
+                out[i] = row
+            self._count_rows(items, base_call=name is None)
+        return out  # type: ignore[return-value]
+
+    def _chunk(self, seq: Sequence, start: int, n: int) -> Chunk:
+        bs = self.config.block_size
+        # The shared prefix: leading consecutive blocks of the shared context, already written.
+        # Every agent of one context gets the same one, so the batch reads it once.
+        limit = min(seq.prompt.context_len, start) // bs
+        run = 0
+        while run < limit and (run == 0 or seq.blocks[run] == seq.blocks[run - 1] + 1):
+            run += 1
+        prefix = SharedPrefix(seq.blocks[0], run * bs) if run else None
+        assert seq.slot_table is not None
+        return Chunk(seq.tokens[start : start + n], start, seq.slot_table[run * bs : start + n], prefix)
+
+    def _projection(self, items: list[tuple[Sequence, int, int]]) -> Projection | None:
+        if not any(seq.module_index >= 0 for seq, _, _ in items):
+            return None
+        rows = []
+        for seq, start, n in items:
+            pos = torch.arange(start, start + n)
+            rows.append(torch.where(pos >= seq.invocation_point, seq.module_index, -1) if seq.module_index >= 0
+                        else torch.full((n,), -1))
+        return RowDeltaProjection(torch.cat(rows), self._deltas)
+
+    def _count_rows(self, items: list[tuple[Sequence, int, int]], *, base_call: bool) -> None:
+        for seq, start, n in items:
+            if not base_call:
+                module = n  # a full module's own call
+            elif seq.module_index >= 0:  # LoRA rows from the IP on
+                module = max(0, start + n - max(start, seq.invocation_point))
+            else:
+                module = 0
+            self.stats.module_rows += module
+            self.stats.base_rows += n - module
+            if seq.phase is Phase.PREFILL:
+                self.stats.prefill_tokens += n
+            else:
+                self.stats.decode_tokens += n
+
+    def _commit_blocks(self, seq: Sequence) -> None:
+        full = min(seq.num_computed // self.config.block_size, len(seq.blocks))
+        if full > seq.num_committed_blocks:
+            self.pool.commit(seq.blocks[seq.num_committed_blocks : full])
+            seq.num_committed_blocks = full
+
+    # ---- output ----------------------------------------------------------------------------
+
+    def _emit(self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]]) -> TokenEvent:
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        seq.phase = Phase.DECODE
+        seq.tokens.append(token)
+        p = seq.params
+        reason = None
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            reason, text = FinishReason.STOP, seq.text.finish()
+        else:
+            text = seq.text.push(token)
+            if seq.text.stopped:
+                reason = FinishReason.STOP
+            elif seq.num_generated >= p.max_tokens or len(seq.tokens) >= seq.capacity:
+                reason, text = FinishReason.LENGTH, text + seq.text.finish()
+        if reason is None:
+            return TokenEvent(seq.request_id, token, text, logprob, top)
+        end = self._finish(seq, reason)
+        return TokenEvent(seq.request_id, token, text, logprob, top, reason, end.usage)
+
+    def _pin_context(self, seq: Sequence) -> TokenEvent:
+        assert seq.pin_ttl is not None
+        full = seq.prompt_len // self.config.block_size
+        self.contexts[seq.request_id] = self.pool.pin(seq.blocks[:full], ttl=seq.pin_ttl)
+        return self._finish(seq, FinishReason.PREFILLED)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, *, error: str | None = None) -> TokenEvent:
+        if seq.phase is Phase.WAITING:
+            self.waiting.remove(seq)
+        elif seq.phase is not Phase.FINISHED:
+            self._drop_blocks(seq)
+            self.running.remove(seq)
+        seq.phase, seq.finish_reason = Phase.FINISHED, reason
+        self.stats.finished += 1
+        return TokenEvent(seq.request_id, None, "", finish_reason=reason, usage=seq.usage(), error=error)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        own = len(seq.match.block_ids) if seq.match else 0
+        for bid in seq.blocks[max(own, seq.num_committed_blocks) :]:
+            if self.pool.block(bid).state is BlockState.COMPUTING:
+                self.pool.abort(bid)  # never computed: whoever waits for it must compute it
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.match = [], None
+
+
+def _forced(seq: Sequence) -> int | None:
+    forced = seq.params.forced_tokens
+    return forced[seq.num_generated] if seq.num_generated < len(forced) else None

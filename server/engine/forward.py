@@ -1,0 +1,130 @@
+"""The engine's own forward for the Llama family, over KV blocks it reads and writes in place.
+
+The model math lives here; attention is delegated to ``cascade`` and every matmul to a
+``Projection`` (the LoRA seam). One call runs one step (:class:`~server.engine.batch.StepPlan`):
+any mix of chunked-prefill chunks and single-token decodes, with or without shared prefixes::
+
+    ids ─ embed ─┬─[ layer 0 .. L-1: norm · qkv · RoPE · write K/V to slots · cascade · o ·
+                 │                    norm · gate_up · SiLU · down ]─ norm ─ lm_head(logit rows)
+                 └ positions, slots, prefix groups: from the plan, computed once per step
+
+>>> import torch
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> from server.engine.batch import Chunk, plan_step
+>>> from server.kv.storage import KVStorage
+>>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+...                   num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+>>> fwd = LlamaForward.from_hf(LlamaForCausalLM(cfg))
+>>> kv = KVStorage(fwd.kv_spec(), num_blocks=4, block_size=16)
+>>> plan = plan_step([Chunk([1, 2, 3], start=0, slots=torch.arange(3))], block_size=16)
+>>> fwd(plan, kv).shape                                  # logits of the last token
+torch.Size([1, 64])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from server.engine.batch import StepPlan
+from server.engine.cascade import cascade_attention
+from server.engine.projection import BaseProjection, Projection
+from server.engine.rope import Rope, apply_rope
+from server.engine.weights import LayerWeights, ModelWeights
+from server.kv.storage import KVSpec, KVStorage
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaForward:
+    weights: ModelWeights
+    rope: Rope
+    projection: Projection = field(default_factory=BaseProjection)
+
+    @classmethod
+    def from_hf(cls, model: torch.nn.Module, *, dtype: torch.dtype | None = None) -> LlamaForward:
+        """From a transformers ``*ForCausalLM`` (config and weights)."""
+        weights = ModelWeights.from_hf(model, dtype=dtype)
+        return cls(weights, Rope.from_config(model.config, weights.shape.head_dim))
+
+    def kv_spec(self) -> KVSpec:
+        s = self.weights.shape
+        return KVSpec(s.num_layers, s.num_kv_heads, s.head_dim, self.weights.dtype)
+
+    @torch.inference_mode()
+    def __call__(
+        self, plan: StepPlan, kv: KVStorage, *, projection: Projection | None = None
+    ) -> torch.Tensor:
+        """Run one step: writes the step's K/V into ``kv``; returns logits [rows, vocab] (fp32
+        if the weights are fp32, else their dtype) for ``plan.logit_rows``.
+
+        ``projection`` overrides the forward's own for this step (e.g. a per-row LoRA one).
+        """
+        w, s = self.weights, self.weights.shape
+        if kv.spec != self.kv_spec():
+            raise ValueError(f"KV storage {kv.spec} does not fit this model ({self.kv_spec()})")
+        if int(plan.positions.max()) >= s.max_context:
+            raise ValueError(f"position {int(plan.positions.max())} beyond the context of {s.max_context}")
+        project = projection or self.projection
+        cos, sin = self.rope.cos_sin(plan.positions, w.dtype)
+        h = F.embedding(plan.token_ids, w.embed)
+        for i, layer in enumerate(w.layers):
+            h = self._layer(i, layer, h, cos, sin, plan, kv, project)
+        if plan.logit_rows is not None:
+            h = h.index_select(0, plan.logit_rows)
+        h = rms_norm(h, w.final_norm, s.rms_norm_eps)
+        return project(h, w.lm_head, layer=-1, name="lm_head")
+
+    def _layer(
+        self,
+        index: int,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: StepPlan,
+        kv: KVStorage,
+        project: Projection,
+    ) -> torch.Tensor:
+        s = self.weights.shape
+        t = h.shape[0]
+        x = rms_norm(h, layer.input_norm, s.rms_norm_eps)
+        qkv = project(x, layer.qkv, layer=index, name="qkv")
+        q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
+        q = q.view(t, s.num_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:  # qwen3
+            q = rms_norm(q, layer.q_norm, s.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv.k[index], kv.v[index]
+        k_cache.index_copy_(1, plan.write_slots, k.transpose(0, 1))
+        v_cache.index_copy_(1, plan.write_slots, v.transpose(0, 1))
+        attn = cascade_attention(
+            q.view(t, s.num_kv_heads, s.group_size, s.head_dim),
+            k,
+            v,
+            k_cache,
+            v_cache,
+            plan,
+            scale=1.0 / math.sqrt(s.head_dim),
+        )
+        h = h + project(attn.reshape(t, s.q_size), layer.o, layer=index, name="o")
+        x = rms_norm(h, layer.post_norm, s.rms_norm_eps)
+        gate, up = project(x, layer.gate_up, layer=index, name="gate_up").chunk(2, dim=-1)
+        return h + project(F.silu(gate) * up, layer.down, layer=index, name="down")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the Llama family computes it: normalise in fp32, scale in the input dtype.
+
+    >>> y = rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), 0.0)
+    >>> [round(v, 4) for v in y[0].tolist()]
+    [0.8485, 1.1314]
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)

@@ -1,0 +1,121 @@
+"""The manifest of a decode module: what it is, which prefill family it joins, where its IP sits.
+
+Written by the fine-tuning tool next to the module's weights as ``agentshare-module.json``::
+
+    {"format": 1, "name": "coder", "kind": "lora", "family": "<64 hex>", "invocation": "turn",
+     "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, "training": {...}}
+
+A module joins a family's shared prefill *only* through a manifest naming that family's digest
+(DESIGN §2). A directory without a manifest, or with one naming another family, is still served
+— with a private prefill under its own key, never mixed.
+
+>>> m = Manifest(name="coder", kind=ModuleKind.LORA, family="ab" * 32,
+...              lora=LoraSpec(rank=8, alpha=16, target_modules=("q_proj",)))
+>>> Manifest.from_json(m.to_json()) == m
+True
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from server.prompt import Placement
+
+MANIFEST_FILE = "agentshare-module.json"
+FORMAT = 1
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ModuleKind(StrEnum):
+    BASE = "base"  # the base model itself
+    LORA = "lora"  # low-rank adapters on the base weights
+    FULL = "full"  # a fully fine-tuned copy of the base
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be read; the message names the file and the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    name: str
+    kind: ModuleKind
+    family: str
+    invocation: Placement = Placement.TURN
+    lora: LoraSpec | None = None
+    training: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
+            raise ManifestError(f"name must be letters, digits, '.', '_' or '-'; got {self.name!r}")
+        if not _HEX64.match(self.family):
+            raise ManifestError(f"family must be a 64-hex-digit digest, got {self.family!r}")
+        if (self.kind is ModuleKind.LORA) != (self.lora is not None):
+            raise ManifestError("a 'lora' module needs a 'lora' section, and only a lora module has one")
+        if self.lora is not None and (self.lora.rank <= 0 or not self.lora.target_modules):
+            raise ManifestError("lora.rank must be positive and lora.target_modules non-empty")
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d = {"format": FORMAT, **d, "kind": self.kind.value, "invocation": self.invocation.value}
+        if self.lora is None:
+            d.pop("lora")
+        else:
+            d["lora"]["target_modules"] = list(self.lora.target_modules)
+        return json.dumps(d, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "manifest") -> Manifest:
+        try:
+            d = json.loads(text)
+        except ValueError as exc:
+            raise ManifestError(f"{source}: not valid JSON ({exc})") from exc
+        if not isinstance(d, dict):
+            raise ManifestError(f"{source}: expected a JSON object")
+        if d.get("format") != FORMAT:
+            raise ManifestError(f"{source}: unsupported format {d.get('format')!r} (expected {FORMAT})")
+        try:
+            lora = d.get("lora")
+            return cls(
+                name=d["name"],
+                kind=ModuleKind(d["kind"]),
+                family=d["family"],
+                invocation=Placement(d.get("invocation", Placement.TURN.value)),
+                lora=None if lora is None else LoraSpec(
+                    int(lora["rank"]), float(lora["alpha"]), tuple(lora["target_modules"])
+                ),
+                training=dict(d.get("training", {})),
+            )
+        except KeyError as exc:
+            raise ManifestError(f"{source}: missing field {exc.args[0]!r}") from exc
+        except (ValueError, TypeError) as exc:
+            raise ManifestError(f"{source}: {exc}") from exc
+
+    def write(self, module_dir: Path | str) -> Path:
+        path = Path(module_dir) / MANIFEST_FILE
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def read(cls, module_dir: Path | str) -> Manifest | None:
+        """The directory's manifest, or None if it has none. Raises ManifestError if unreadable."""
+        path = Path(module_dir) / MANIFEST_FILE
+        if not path.exists():
+            return None
+        return cls.from_json(path.read_text(), source=str(path))

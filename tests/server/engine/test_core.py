@@ -1,0 +1,274 @@
+"""The engine core against the oracle of DESIGN §2, on tiny random models with the real
+SmolLM2 tokenizer and chat template, in fp32."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from server.engine.build import load_engine
+from server.engine.core import EngineConfig, EngineCore
+from server.engine.errors import InvalidRequest, PromptTooLong, UnknownModule
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import FinishReason
+from server.prompt import Placement, chat_prompt
+
+CONTEXT = [{"role": "user", "content": "Shared notes: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))}]
+FORCED = (1500, 2000, 300, 4242, 77, 9000)
+ATOL = 2e-4
+
+
+def turn(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+_LOADED: dict[tuple, EngineCore] = {}
+
+
+def engine(tiny_model_dir, modules=None, **cfg) -> tuple[EngineCore, dict]:
+    """A fresh engine (empty pool); the model and modules are loaded once per session."""
+    key = (tiny_model_dir, tuple(sorted((modules or {}).items())))
+    if key not in _LOADED:
+        _LOADED[key] = load_engine(tiny_model_dir, modules=modules, dtype="float32")
+    core = _LOADED[key].with_config(EngineConfig(**{"kv_cache_bytes": 32 << 20, **cfg}))
+    logits: dict[str, list[torch.Tensor]] = defaultdict(list)
+    core.logits_hook = lambda rid, row: logits[rid].append(row.clone())
+    return core, logits
+
+
+def drain(core: EngineCore) -> dict[str, list]:
+    events = defaultdict(list)
+    while core.has_work:
+        for e in core.step():
+            events[e.request_id].append(e)
+    return events
+
+
+def tokens_of(events) -> list[int]:
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+def forced(n: int = len(FORCED)) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, forced_tokens=FORCED[:n], ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["base", "lora", "full"])
+@pytest.mark.parametrize("placement", [Placement.TURN, Placement.HEADER])
+def test_a_request_served_from_another_modules_prefill_equals_the_oracle(
+    tiny_model_dir, smollm2_tokenizer, make_lora, make_full, oracle, kind, placement
+):
+    module_dir = {"base": None, "lora": make_lora("m", placement=placement),
+                  "full": make_full("m", placement=placement)}[kind]
+    other = make_lora("other", seed=9)
+    modules = {"other": other} | ({"m": module_dir} if module_dir else {})
+    core, logits = engine(tiny_model_dir, modules)
+    name = "m" if module_dir else "base"
+    # first, another module computes (and caches) the shared context
+    core.add_request("first", "other", chat_prompt(smollm2_tokenizer, CONTEXT, turn("Plan it.")), forced(2))
+    drain(core)
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    seq = core.add_request("second", name, prompt, forced())
+    events = drain(core)["second"]
+    assert seq.cached_tokens >= 16 * (prompt.context_len // 16) > 0  # it really shared
+    assert tokens_of(events) == list(FORCED)
+    ip = len(prompt.token_ids) - 1 if kind == "base" else prompt.invocation_point(placement)
+    tokens = list(prompt.token_ids) + list(FORCED[:-1])
+    want = oracle(module_dir, kind, tokens, ip, len(FORCED))
+    got = torch.stack(logits["second"])
+    assert torch.allclose(got, want, atol=ATOL), (got - want).abs().max()
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+
+
+@pytest.mark.parametrize("placement", [Placement.TURN, Placement.HEADER])
+def test_the_invocation_point_off_by_one(tiny_model_dir, smollm2_tokenizer, make_lora, placement):
+    """The token just before the IP is computed by the base; the token at the IP by the module."""
+    lora = make_lora("ip", placement=placement)
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    ip = prompt.invocation_point(placement)
+    snapshots = {}
+    for name in ("base", "ip"):
+        core, logits = engine(tiny_model_dir, {"ip": lora})
+        seq = core.add_request(name, name, prompt, forced(1))
+        core.step()  # admission + the whole prompt (fits one step) + first token
+        slots = seq.slot_table if seq.slot_table is not None else None
+        snapshots[name] = (torch.stack([core.kv.k[0][:, int(s)] for s in seq.slot_table[: ip + 1]]).clone(),
+                           logits[name][0])
+        drain(core)
+    (kv_base, first_base), (kv_mod, first_mod) = snapshots["base"], snapshots["ip"]
+    # layer 0 keys: positions < IP bitwise equal (base weights); position IP differs (module's)
+    assert torch.equal(kv_base[:ip], kv_mod[:ip])
+    assert not torch.allclose(kv_base[ip], kv_mod[ip])
+    assert not torch.allclose(first_base, first_mod)
+
+
+def test_three_modules_on_one_long_prompt_run_the_shared_part_through_the_base_once(
+    tiny_model_dir, smollm2_tokenizer, make_lora, make_full
+):
+    long_context = [{"role": "user", "content": " ".join(f"fact {i}: value {i * 31 % 97}." for i in range(170))}]
+    prompts = {n: chat_prompt(smollm2_tokenizer, long_context, turn(f"Agent {n}, answer.")) for n in "abc"}
+    context_len = prompts["a"].context_len
+    assert context_len >= 1000
+    modules = {"a": make_lora("a", seed=3), "b": make_lora("b", seed=4), "c": make_full("c")}
+    counts = {}
+    for share in (True, False):
+        core, _ = engine(tiny_model_dir, modules, share_prefill=share, max_step_tokens=256)
+        base_rows = []
+        real_forward = core.forward
+
+        class Counting:  # counts every row that goes through the base weights' forward
+            def __getattr__(self, name):
+                return getattr(real_forward, name)
+
+            def __call__(self, plan, kv, projection=None):
+                base_rows.append(plan.num_tokens)
+                return real_forward(plan, kv, projection=projection)
+
+        core.forward = Counting()
+        for n in "abc":
+            core.add_request(n, n, prompts[n], SamplingParams(temperature=0, max_tokens=2))
+        drain(core)
+        counts[share] = (sum(base_rows), core.stats)
+    shared_part = 16 * (context_len // 16)
+    (rows_on, stats_on), (rows_off, stats_off) = counts[True], counts[False]
+    total_prompt = sum(len(p.token_ids) for p in prompts.values())
+    assert stats_on.cached_prompt_tokens == 2 * shared_part
+    assert stats_off.cached_prompt_tokens == 0
+    # with sharing the base computes the shared part once; without, three times
+    assert stats_off.prefill_tokens - stats_on.prefill_tokens == 2 * shared_part
+    assert rows_off - rows_on == 2 * shared_part
+    assert stats_on.prefill_tokens == total_prompt - 2 * shared_part
+
+
+def test_a_foreign_module_never_reads_the_familys_blocks_and_answers_correctly(
+    tiny_model_dir, smollm2_tokenizer, make_full, oracle
+):
+    foreign = make_full("alien", foreign=True)
+    core, logits = engine(tiny_model_dir, {"alien": foreign})
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    core.add_request("warm", "base", prompt, forced(1))
+    drain(core)
+    seq = core.add_request("alien", "alien", prompt, forced())
+    assert not core.modules["alien"].shares_prefill
+    drain(core)
+    assert seq.cached_tokens == 0
+    want = oracle(foreign, "full", list(prompt.token_ids) + list(FORCED[:-1]), 0, len(FORCED))
+    assert torch.allclose(torch.stack(logits["alien"]), want, atol=ATOL)
+    # and the family's blocks were not polluted either: the base still hits its own cache
+    again = core.add_request("again", "base", prompt, forced(1))
+    drain(core)
+    assert again.cached_tokens > 0
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_mixed_batch(
+    tiny_model_dir, smollm2_tokenizer, make_lora
+):
+    modules = {"x": make_lora("x", seed=5), "y": make_lora("y", seed=6)}
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Say something."))
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    core, _ = engine(tiny_model_dir, modules)
+    core.add_request("alone", "x", prompt, params)
+    alone = tokens_of(drain(core)["alone"])
+    core, _ = engine(tiny_model_dir, modules)
+    core.add_request("n1", "y", chat_prompt(smollm2_tokenizer, CONTEXT, turn("Other.")),
+                     SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True))
+    core.add_request("mixed", "x", prompt, params)
+    core.add_request("n2", "base", prompt, SamplingParams(temperature=0.7, max_tokens=5))
+    assert tokens_of(drain(core)["mixed"]) == alone
+    assert len(set(alone)) > 3
+
+
+def test_different_lora_modules_batched_together_equal_each_served_alone(
+    tiny_model_dir, smollm2_tokenizer, make_lora
+):
+    modules = {"x": make_lora("x", seed=5), "y": make_lora("y", seed=6)}
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Answer briefly."))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = {}
+    for name in ("x", "y", "base"):
+        core, _ = engine(tiny_model_dir, modules)
+        core.add_request(name, name, prompt, greedy)
+        alone[name] = tokens_of(drain(core)[name])
+    core, _ = engine(tiny_model_dir, modules)
+    for name in ("x", "y", "base"):
+        core.add_request(name, name, prompt, greedy)
+    together = {k: tokens_of(v) for k, v in drain(core).items()}
+    assert together == alone
+    assert len({tuple(v) for v in alone.values()}) == 3  # the modules really differ
+
+
+def test_stop_strings_stop_tokens_and_length(tiny_model_dir, smollm2_tokenizer):
+    core, _ = engine(tiny_model_dir)
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Go."))
+    core.add_request("free", "base", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    free = drain(core)["free"]
+    assert free[-1].finish_reason is FinishReason.LENGTH and len(tokens_of(free)) == 10
+    text = "".join(e.text for e in free)
+    second = tokens_of(free)[1]
+    core.add_request("tok", "base", prompt, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=(second,)))
+    tok = drain(core)["tok"]
+    assert tokens_of(tok) == tokens_of(free)[:2] and tok[-1].finish_reason is FinishReason.STOP
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    core.add_request("str", "base", prompt, SamplingParams(temperature=0, max_tokens=10, stop=(stop,)))
+    got = drain(core)["str"]
+    assert got[-1].finish_reason is FinishReason.STOP
+    assert "".join(e.text for e in got) == text[: text.index(stop)]
+
+
+def test_cancellation_frees_every_block(tiny_model_dir, smollm2_tokenizer):
+    core, _ = engine(tiny_model_dir, max_step_tokens=32)
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Go."))
+    for i in range(3):
+        core.add_request(f"r{i}", "base", prompt, SamplingParams(temperature=0, max_tokens=50))
+    core.step()
+    core.step()
+    for i in range(3):
+        assert core.cancel(f"r{i}").finish_reason is FinishReason.CANCELLED
+    assert not core.has_work and core.pool.usage().held == 0
+    assert core.cancel("r0") is None
+
+
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        (lambda tok: ("base", chat_prompt(tok, CONTEXT, turn("x" * 20000)), SamplingParams()), PromptTooLong),
+        (lambda tok: ("nope", chat_prompt(tok, CONTEXT, turn("x")), SamplingParams()), UnknownModule),
+        (lambda tok: ("base", chat_prompt(tok, [], []), SamplingParams()), InvalidRequest),
+        (lambda tok: ("base", chat_prompt(tok, CONTEXT, turn("x")), SamplingParams(max_tokens=0)), InvalidRequest),
+        (lambda tok: ("base", chat_prompt(tok, CONTEXT, turn("x")), SamplingParams(temperature=-1)), InvalidRequest),
+        (lambda tok: ("base", chat_prompt(tok, CONTEXT, turn("x")), SamplingParams(top_p=1.5)), InvalidRequest),
+    ],
+)
+def test_bad_input_is_a_typed_error_and_the_engine_keeps_serving(tiny_model_dir, smollm2_tokenizer, make, error):
+    core, _ = engine(tiny_model_dir)
+    with pytest.raises(error):
+        core.add_request("bad", *make(smollm2_tokenizer))
+    core.add_request("ok", "base", chat_prompt(smollm2_tokenizer, CONTEXT, turn("x")), SamplingParams(max_tokens=2))
+    assert drain(core)["ok"][-1].finish_reason is not None
+
+
+def test_a_pinned_context_is_prefilled_once_and_survives_pressure_until_released(
+    tiny_model_dir, smollm2_tokenizer, make_lora
+):
+    core, _ = engine(tiny_model_dir, {"x": make_lora("x", seed=5)}, kv_cache_bytes=4 << 20)
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    ctx = prompt.token_ids[: prompt.context_len]
+    core.add_context("ctx", ctx, ttl=60)
+    done = drain(core)["ctx"]
+    assert done[-1].finish_reason is FinishReason.PREFILLED and "ctx" in core.contexts
+    shared = 16 * (len(ctx) // 16)
+    # push more distinct prompts through the pool than it holds: LRU must evict, but not the pin
+    for i in range(2 * core.pool.capacity * 16 // 600):
+        filler = chat_prompt(smollm2_tokenizer, [{"role": "user", "content": f"{i} " + "z " * 580}], turn("q"))
+        core.add_request(f"fill{i}", "base", filler, SamplingParams(max_tokens=1))
+        drain(core)
+    assert core.pool.stats.evictions > 0
+    seq = core.add_request("agent", "x", prompt, SamplingParams(temperature=0, max_tokens=2))
+    drain(core)
+    assert seq.cached_tokens == shared
+    assert core.release_context("ctx") and not core.release_context("ctx")
+    with pytest.raises(InvalidRequest):
+        core.add_context("bad", ctx, ttl=0)

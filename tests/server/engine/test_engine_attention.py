@@ -1,0 +1,97 @@
+"""Attention partials and their LSE merge vs plain softmax attention over concatenated keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.engine.attention import Partial, merge_partials, partial_attention, reference_partial
+from server.engine.batch import Chunk, SharedPrefix, plan_step
+from server.engine.cascade import cascade_attention
+
+
+def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.double()).float()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    splits=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    lq=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_merge_of_partials_equals_attention_over_the_union(splits: list[int], lq: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    total = sum(splits)
+    q = torch.randn(2, 3, lq, 64, generator=g) * 2
+    k = torch.randn(2, 3, total, 64, generator=g) * 2
+    v = torch.randn(2, 3, total, 64, generator=g)
+    parts, pos = [], 0
+    for n in splits:
+        parts.append(partial_attention(q, k[..., pos : pos + n, :], v[..., pos : pos + n, :]))
+        pos += n
+    out, lse = merge_partials(parts)
+    torch.testing.assert_close(out, _plain(q, k, v), atol=1e-5, rtol=1e-5)
+    scores = q.double() @ k.double().transpose(-1, -2) / 8
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-4, rtol=1e-5)
+
+
+def test_a_fully_masked_partial_contributes_nothing() -> None:
+    q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    real = reference_partial(q, k, v)
+    empty = Partial(torch.zeros_like(real.out), torch.full_like(real.lse, float("-inf")))
+    out, _ = merge_partials([empty, real])
+    torch.testing.assert_close(out, real.out)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_matches_reference(causal: bool, dtype: torch.dtype) -> None:
+    q, k, v = (torch.randn(2, 3, 7, 64).to(dtype) for _ in range(3))
+    mask = torch.zeros(2, 1, 7, 7).masked_fill(torch.rand(2, 1, 7, 7) < 0.3, float("-inf"))
+    mask[..., 0] = 0.0
+    for m in (None, mask):
+        got = partial_attention(q, k, v, causal=causal, mask=m)
+        ref = reference_partial(q, k, v, causal=causal, mask=m)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.out.float(), ref.out.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(got.lse, ref.lse, atol=tol, rtol=tol)
+
+
+def test_cascade_attention_of_a_mixed_step_equals_plain_attention() -> None:
+    """GQA queries of a step (2 decodes on a shared prefix, 1 chunk on it, 1 decode without a
+    prefix) vs softmax over each request's concatenated [prefix | own] keys with a causal mask."""
+    hkv, g, d, block = 2, 3, 64, 4
+    k_cache, v_cache = torch.randn(hkv, 40 * block, d), torch.randn(hkv, 40 * block, d)
+    prefix = SharedPrefix(first_block=1, num_tokens=10)  # slots 4..13
+    chunks = [
+        Chunk([1], start=12, slots=torch.tensor([100, 101, 60]), prefix=prefix),
+        Chunk([1, 2, 3, 4], start=14, slots=torch.tensor([80, 81, 82, 83, 120, 121, 122, 123]),
+              prefix=prefix),
+        Chunk([1], start=4, slots=torch.tensor([30, 31, 32, 37, 77])),  # no prefix
+        Chunk([1], start=10, slots=torch.tensor([140]), prefix=prefix),
+    ]
+    plan = plan_step(chunks, block_size=block, all_logits=True)
+    t = plan.num_tokens
+    q = torch.randn(t, hkv, g, d)
+    k_new, v_new = torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    k_cache[:, plan.write_slots] = k_new.transpose(0, 1)
+    v_cache[:, plan.write_slots] = v_new.transpose(0, 1)
+    got = cascade_attention(q, k_new, v_new, k_cache, v_cache, plan)
+
+    for c, (lo, hi) in zip(chunks, plan.row_spans, strict=True):
+        pre = torch.arange(4, 4 + c.prefix_len)
+        keys = torch.cat([pre, c.slots])
+        kk, vv = k_cache[:, keys], v_cache[:, keys]  # [Hkv, L, D]
+        qq = q[lo:hi].permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+        n, length = hi - lo, keys.numel()
+        keep = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+        want = _plain(qq, kk[:, None], vv[:, None], keep).permute(2, 0, 1, 3)
+        torch.testing.assert_close(got[lo:hi], want, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,53 @@
+"""The projection seam: per-row module deltas touch only their rows, base rows stay exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from server.engine.batch import Chunk, plan_step
+from server.engine.forward import LlamaForward
+from server.engine.projection import LowRank, RowDeltaProjection
+from server.kv.storage import KVStorage
+
+
+def test_row_delta_projection_touches_only_its_rows_and_slice() -> None:
+    from server.engine.weights import Linear
+
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(torch.randn(12, 8, generator=g), torch.randn(12, generator=g))
+    x = torch.randn(5, 8, generator=g)
+    a, b = torch.randn(2, 8, generator=g), torch.randn(4, 2, generator=g)
+    rows = torch.tensor([-1, 0, 1, 0, -1])
+    proj = RowDeltaProjection(rows, {(0, 3, "qkv"): [LowRank(a, b, scale=0.5, col=4)]})
+    got = proj(x, lin, layer=3, name="qkv")
+    base = x @ lin.weight.T + lin.bias
+    want = base.clone()
+    want[[1, 3], 4:8] += 0.5 * (x[[1, 3]] @ a.T @ b.T)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(proj(x, lin, layer=2, name="qkv"), base)  # other layer: no delta
+
+
+def test_forward_with_module_rows_changes_only_rows_at_or_after_the_switch(tiny_model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    fwd = LlamaForward.from_hf(model)
+    s = fwd.weights.shape
+    ids = torch.randint(0, s.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    deltas = {
+        (0, layer, "qkv"): [LowRank(torch.randn(4, s.hidden_size, generator=g),
+                                    torch.randn(s.q_size, 4, generator=g) * 0.1)]
+        for layer in range(s.num_layers)
+    }
+    rows = torch.tensor([-1] * 7 + [0] * 5)  # positions >= 7 use "the module"
+
+    def run(projection=None) -> torch.Tensor:
+        kv = KVStorage(fwd.kv_spec(), num_blocks=2, block_size=16)
+        plan = plan_step([Chunk(ids, start=0, slots=torch.arange(12))], block_size=16, all_logits=True)
+        return fwd(plan, kv, projection=projection)
+
+    base, mixed = run(), run(RowDeltaProjection(rows, deltas))
+    torch.testing.assert_close(mixed[:7], base[:7], atol=0, rtol=0)  # causal: earlier rows exact
+    assert (mixed[7:] - base[7:]).abs().max() > 1e-2
