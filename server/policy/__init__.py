@@ -21,9 +21,9 @@ answers.
 from server.policy.affinity import AffinityConfig, ChoiceReason, WorkerChoice, choose_worker
 from server.policy.offload import (
     OffloadPolicy,
-    RouteDecision,
     PrefillDecision,
     PrefillReason,
+    RouteDecision,
     Where,
     decide_prefill,
     place,

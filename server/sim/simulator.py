@@ -46,7 +46,7 @@ from server.policy import (
 from server.sim.cache import Holding, PrefixCache
 from server.sim.metrics import RequestRecord, Summary, summarize
 from server.sim.profile import CPU_SMOLLM2_135M, ServiceProfile
-from server.sim.workers import DecodeWorker, LocalPrefill, Link, PrefillWorker
+from server.sim.workers import DecodeWorker, Link, LocalPrefill, PrefillWorker
 from server.sim.workload import SimRequest
 
 P_DONE, XFER, ARRIVE, ITER = 0, 1, 2, 3  # priority of events at one instant

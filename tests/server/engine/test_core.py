@@ -94,7 +94,6 @@ def test_the_invocation_point_off_by_one(tiny_model_dir, smollm2_tokenizer, make
         core, logits = engine(tiny_model_dir, {"ip": lora})
         seq = core.add_request(name, name, prompt, forced(1))
         core.step()  # admission + the whole prompt (fits one step) + first token
-        slots = seq.slot_table if seq.slot_table is not None else None
         snapshots[name] = (torch.stack([core.kv.k[0][:, int(s)] for s in seq.slot_table[: ip + 1]]).clone(),
                            logits[name][0])
         drain(core)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from server import paths
 from server.models import loader
 from server.models.loader import (
     ModelLoadError,
@@ -25,9 +26,9 @@ def test_default_gguf_is_found_without_importing_its_package() -> None:
 
 def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AGENTSHARE_CACHE_DIR", str(tmp_path))
-    assert loader.cache_dir() == tmp_path
+    assert paths.cache_dir() == tmp_path
     monkeypatch.delenv("AGENTSHARE_CACHE_DIR")
-    assert loader.cache_dir() == Path.home() / ".cache" / "agentshare"
+    assert paths.cache_dir() == Path.home() / ".cache" / "agentshare"
 
 
 def test_tiny_model_dir_loads_with_the_real_chat_template(tiny_model_dir: Path) -> None:

@@ -1,7 +1,13 @@
 import pytest
 
 from server.kv.trace import TraceRequest
-from server.sim import CPU_SMOLLM2_135M, GPU_LLAMA8B_H100, MultiAgentWorkload, from_trace, kv_bytes_per_token
+from server.sim import (
+    CPU_SMOLLM2_135M,
+    GPU_LLAMA8B_H100,
+    MultiAgentWorkload,
+    from_trace,
+    kv_bytes_per_token,
+)
 
 
 def test_profiles_match_the_stated_figures() -> None:

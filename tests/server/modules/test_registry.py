@@ -1,0 +1,69 @@
+"""Loading decode modules: who shares, who gets a private prefill, and clear refusals."""
+
+import json
+
+import pytest
+import torch
+
+from server.engine.weights import ModelShape
+from server.modules.manifest import Manifest, ModuleKind
+from server.modules.registry import ModuleLoadError, load_module
+from server.prompt import Placement
+
+SHAPE = ModelShape("llama", 49152, 256, 3, 4, 2, 64, 1e-5, 4096)
+
+
+def load(path, family):
+    return load_module(path, name="m", family=family, shape=SHAPE, dtype=torch.float32)
+
+
+def test_a_manifest_naming_the_family_shares(make_lora, tiny_family):
+    m = load(make_lora("share", placement=Placement.HEADER), tiny_family)
+    assert m.shares_prefill and m.kind is ModuleKind.LORA and m.placement is Placement.HEADER
+    assert set(name for _, name in m.deltas) == {"qkv", "o", "gate_up", "down"}
+    q, k, v = (next(u for u in m.deltas[(0, "qkv")] if u.col == c) for c in (0, 256, 384))
+    assert q.b.shape[0] == 256 and k.b.shape[0] == v.b.shape[0] == 128
+    assert m.deltas[(0, "gate_up")][1].col == 512  # up sits after gate (intermediate 512)
+
+
+def test_no_manifest_or_another_family_means_a_private_prefill(make_lora, tiny_family):
+    plain = load(make_lora("plain", manifest=False), tiny_family)
+    other = load(make_lora("alien", family="e" * 64), tiny_family)
+    assert not plain.shares_prefill and "no agentshare-module.json" in plain.reason
+    assert not other.shares_prefill and "private prefill" in other.reason
+    assert plain.digest != other.digest  # distinct KV namespaces
+
+
+def test_module_digest_follows_the_weights(make_lora, tiny_family):
+    a = load(make_lora("d1", seed=1), tiny_family)
+    b = load(make_lora("d1", seed=2), tiny_family)
+    assert a.digest != b.digest
+
+
+def test_bad_module_directories_are_refused_clearly(tmp_path, make_lora, tiny_family):
+    with pytest.raises(ModuleLoadError, match="not a directory"):
+        load(tmp_path / "missing", tiny_family)
+    with pytest.raises(ModuleLoadError, match="neither a peft adapter"):
+        load(tmp_path, tiny_family)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "agentshare-module.json").write_text("{")
+    with pytest.raises(ModuleLoadError, match="not valid JSON"):
+        load(broken, tiny_family)
+    no_rank = tmp_path / "norank"
+    src = make_lora("r0")
+    no_rank.mkdir()
+    for f in src.iterdir():
+        (no_rank / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((no_rank / "adapter_config.json").read_text())
+    cfg["r"] = 0
+    (no_rank / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModuleLoadError, match="positive 'r'"):
+        load(no_rank, tiny_family)
+
+
+def test_a_full_module_with_another_kv_shape_is_refused(make_tiny_model, tiny_family):
+    other = make_tiny_model("wide-kv", num_key_value_heads=4)
+    Manifest(name="w", kind=ModuleKind.FULL, family=tiny_family).write(other)
+    with pytest.raises(ModuleLoadError, match="KV shape"):
+        load(other, tiny_family)
