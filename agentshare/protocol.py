@@ -1,0 +1,428 @@
+"""Wire schemas of the agentshare server: the OpenAI-compatible API and the native API.
+
+Pydantic only (no torch): the SDK imports this module, and so does the server. Requests
+tolerate unknown fields (clients send e.g. ``repetition_penalty``); optional knobs default to
+``None`` so the server applies its own defaults. Responses mirror OpenAI's shapes field for
+field, so the ``openai`` package's own types validate them.
+
+::
+
+    OpenAI-compatible                 native
+    ─────────────────                 ──────
+    ChatCompletionRequest             ContextCreate / ContextExtend -> ContextInfo
+      -> ChatCompletion | Chunk*      GenerateRequest -> Generation | GenerationChunk*
+    CompletionRequest                 ExplainRequest -> Explanation
+      -> Completion (also streamed)   AgentList (AgentInfo*), Health
+    ModelList (Model*)                ErrorResponse (every error, both APIs)
+
+>>> req = ChatCompletionRequest.model_validate(
+...     {"model": "coder", "messages": [{"role": "user", "content": "hi"}],
+...      "max_completion_tokens": 8, "repetition_penalty": 1.1})
+>>> req.token_limit(), req.messages[0].text()
+(8, 'hi')
+>>> ErrorResponse.of("bad value", param="n").model_dump()["error"]["type"]
+'invalid_request_error'
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP = 16
+
+# ---- common --------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    """A request body: unknown fields are kept, never refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ErrorBody(_Response):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """``{"error": {"message", "type", "param", "code"}}``: OpenAI's error shape."""
+
+    error: ErrorBody
+
+    @classmethod
+    def of(cls, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> ErrorResponse:
+        return cls(error=ErrorBody(message=message, type=type, param=param, code=code))
+
+
+class TextPart(_Request):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(_Request):
+    """One chat message. ``content`` may be a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role!r} message needs 'content'")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def as_template_message(self) -> dict[str, str]:
+        """The ``{"role", "content"}`` dict a chat template reads (``developer`` reads as system)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """Fields shared by every generating request; ``None`` means the server's default."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 or 0: off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False  # vLLM's extension
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @model_validator(mode="after")
+    def _check_stop(self) -> _Sampling:
+        stops = self.stop_list()
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop: at most {MAX_STOP} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop: stop sequences must be non-empty strings")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class _OpenAISampling(_Sampling):
+    model: str
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+# ---- OpenAI-compatible: requests ---------------------------------------------------------------
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (what newer clients such as ChatOpenAI send), else ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+# ---- OpenAI-compatible: responses --------------------------------------------------------------
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(_Response):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class Delta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(_Response):
+    index: int
+    delta: Delta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(_Response):
+    """A text completion, and also each chunk of a streamed one (OpenAI reuses the shape)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class Model(_Response):
+    """One agent, as ``/v1/models`` lists it (OpenAI's fields plus the family)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "agentshare"
+    family: str | None = None
+    kind: str | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+# ---- native API ------------------------------------------------------------------------------
+
+
+class _MessagesOrText(_Request):
+    """Exactly one of ``messages`` (chat) or ``text`` (plain text)."""
+
+    messages: list[ChatMessage] | None = None
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> _MessagesOrText:
+        if (self.messages is None) == (self.text is None):
+            raise ValueError("send exactly one of 'messages' (a chat) or 'text' (plain text)")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages: send at least one message")
+        return self
+
+    @property
+    def kind(self) -> Literal["chat", "text"]:
+        return "chat" if self.messages is not None else "text"
+
+
+class ContextCreate(_MessagesOrText):
+    """Prefill a shared context once and pin it for ``ttl`` seconds (default: the server's)."""
+
+    ttl: float | None = Field(None, gt=0)
+
+
+class ContextExtend(_MessagesOrText):
+    """Append messages (or text) to a context: only the new tokens are prefilled."""
+
+    ttl: float | None = Field(None, gt=0)
+
+
+class ContextInfo(_Response):
+    id: str
+    object: Literal["context"] = "context"
+    kind: Literal["chat", "text"]
+    tokens: int  # tokens of the whole context
+    cached_tokens: int  # of those, served from cache by the last create/extend
+    computed_tokens: int  # of those, prefilled by the last create/extend
+    pinned_tokens: int  # tokens in full pinned blocks (the trailing partial block is not pinned)
+    ttl: float
+    expires_at: float  # unix time
+
+
+class ContextReleased(_Response):
+    id: str
+    object: Literal["context.released"] = "context.released"
+    released: bool
+
+
+class GenerateRequest(_Sampling, _MessagesOrText):
+    """Generate from a context for one agent: ``messages``/``text`` is the agent's own turn."""
+
+    agent: str
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class GenerationUsage(_Response):
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    completion_tokens: int
+
+
+class Generation(_Response):
+    id: str
+    object: Literal["generation"] = "generation"
+    agent: str
+    context_id: str
+    text: str
+    finish_reason: Literal["stop", "length"]
+    usage: GenerationUsage
+    token_ids: list[int] = Field(default_factory=list)
+
+
+class GenerationChunk(_Response):
+    id: str
+    object: Literal["generation.chunk"] = "generation.chunk"
+    agent: str
+    context_id: str
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Literal["stop", "length"] | None = None
+    usage: GenerationUsage | None = None
+
+
+class AgentInfo(_Response):
+    name: str
+    object: Literal["agent"] = "agent"
+    kind: Literal["base", "lora", "full"]
+    family: str | None  # the family whose prefill it shares; None: a private prefill
+    shares_prefill: bool
+    placement: Literal["turn", "header"]
+    reason: str = ""
+
+
+class AgentList(_Response):
+    object: Literal["list"] = "list"
+    family: str
+    data: list[AgentInfo]
+
+
+class ExplainRequest(_Request):
+    """What the cache would serve for this request now. ``messages`` as in a chat request
+    (context = all but the last); ``prompt`` as in a completion; or a context plus a turn."""
+
+    agent: str
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    context_id: str | None = None
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> ExplainRequest:
+        if self.context_id is None and (self.messages is None) == (self.prompt is None):
+            raise ValueError("send 'messages' or 'prompt' (or a 'context_id' with its turn)")
+        return self
+
+
+class Explanation(_Response):
+    object: Literal["explanation"] = "explanation"
+    agent: str
+    shares_prefill: bool
+    prompt_tokens: int
+    block_size: int
+    blocks: int  # full blocks of the prompt
+    cached_blocks: int
+    cached_tokens: int
+    first_miss_block: int | None  # index of the first block not in cache (None: all hit)
+    first_miss_token: int | None  # its first token position
+
+
+class Health(_Response):
+    status: Literal["ok"] = "ok"
+    family: str
+    agents: int
+    waiting: int
+    running: int

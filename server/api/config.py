@@ -1,0 +1,54 @@
+"""What an agentshare server is started with: one frozen, keyword-only object.
+
+>>> cfg = ServerConfig(api_keys=("k1",), max_waiting=8)
+>>> cfg.engine_config().max_waiting, cfg.auth_required
+(8, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.engine.core import EngineConfig
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """Server settings. ``model_dir=None`` serves the default model (SmolLM2-135M-Instruct)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_dir: Path | None = None
+    modules: dict[str, Path] = field(default_factory=dict)  # agent name -> module directory
+    base_name: str = "base"
+    dtype: str = "auto"
+    threads: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    block_size: int = 16
+    max_step_tokens: int = 512
+    max_running: int = 64
+    max_waiting: int = 1024  # the queue limit: beyond it, 429
+    api_keys: tuple[str, ...] = ()  # none: one tenant, no auth
+    log_level: str = "info"
+    log_prompts: bool = False  # never log prompt text unless asked
+    default_max_tokens: int = 256  # when a request gives no limit (KV is reserved up front)
+    context_ttl: float = 600.0  # default TTL of a pinned context, seconds
+    max_context_ttl: float = 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.default_max_tokens <= 0 or self.context_ttl <= 0 or self.max_context_ttl < self.context_ttl:
+            raise ValueError("default_max_tokens and context_ttl must be positive, max_context_ttl >= context_ttl")
+        if any(not k for k in self.api_keys):
+            raise ValueError("API keys must be non-empty strings")
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.api_keys)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
+            max_step_tokens=self.max_step_tokens, max_running=self.max_running,
+            max_waiting=self.max_waiting,
+        )

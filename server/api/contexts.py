@@ -1,0 +1,160 @@
+"""Shared contexts of the native API: prefilled once by the base, pinned for a TTL, extended
+incrementally, and generated from by any agent of the family.
+
+A context is a tenant's: another tenant neither sees it nor reads its blocks (its salt differs).
+Each create or extend prefills under a fresh engine id and pins its full blocks; an extend
+matches the previous version's pinned blocks, so only the new tokens are computed, then the
+previous pin is released::
+
+    create  ctx_1 v1: [ context ............ ]               computed: all
+    extend  ctx_1 v2: [ context ............ | new messages ] computed: the new part only
+            (v1's pin released once v2 is pinned)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from agentshare.protocol import ChatMessage, ContextInfo
+from server.api.errors import ApiError, not_found, unprocessable
+from server.api.generation import admit
+from server.api.metrics import Metrics
+from server.api.prompts import context_tokens, joined_prompt, text_tokens
+from server.engine.async_engine import AsyncEngine
+from server.engine.core import EngineCore
+from server.engine.sequence import FinishReason, Phase, Sequence, Usage
+from server.prompt import Prompt, chat_prompt
+
+
+@dataclass(slots=True)
+class ContextRecord:
+    id: str
+    salt: str
+    kind: Literal["chat", "text"]
+    messages: list[dict[str, str]]  # chat contexts
+    token_ids: tuple[int, ...]
+    engine_id: str
+    ttl: float
+    expires_at: float  # unix time
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    version: int = 1
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def info(self, block_size: int) -> ContextInfo:
+        return ContextInfo(id=self.id, kind=self.kind, tokens=len(self.token_ids), cached_tokens=self.cached_tokens,
+                           computed_tokens=self.computed_tokens,
+                           pinned_tokens=len(self.token_ids) // block_size * block_size,
+                           ttl=self.ttl, expires_at=self.expires_at)
+
+    def turn_prompt(self, tokenizer: Any, messages: list[ChatMessage] | None, text: str | None) -> Prompt:
+        """The canonical prompt of an agent's turn after this context."""
+        if self.kind == "text":
+            if messages is not None:
+                raise unprocessable("this is a text context: send the agent's turn as 'text'", param="messages")
+            return joined_prompt(self.token_ids, text_tokens(tokenizer, text or ""))
+        turn = [m.as_template_message() for m in messages] if messages is not None else [
+            {"role": "user", "content": text or ""}]
+        return chat_prompt(tokenizer, self.messages, turn)
+
+
+class ContextStore:
+    """The contexts of one server, by id."""
+
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, tokenizer: Any, *, block_size: int,
+                 base: str, poll: float = 0.002) -> None:
+        self._engine, self._metrics, self._tok = engine, metrics, tokenizer
+        self._bs, self._base, self._poll = block_size, base, poll
+        self._records: dict[str, ContextRecord] = {}
+
+    async def create(self, salt: str, messages: list[ChatMessage] | None, text: str | None, ttl: float) -> ContextRecord:
+        self._prune()
+        if messages is not None:
+            msgs = [m.as_template_message() for m in messages]
+            rec = ContextRecord(_new_id(), salt, "chat", msgs, context_tokens(self._tok, msgs), "", ttl, 0.0)
+        else:
+            rec = ContextRecord(_new_id(), salt, "text", [], text_tokens(self._tok, text or ""), "", ttl, 0.0)
+        if not rec.token_ids:
+            raise unprocessable("the context is empty")
+        rec.engine_id = f"{rec.id}/v1"
+        usage = await self._prefill(rec.engine_id, rec.token_ids, ttl, salt)
+        rec.cached_tokens, rec.computed_tokens = usage.cached_tokens, len(rec.token_ids) - usage.cached_tokens
+        rec.expires_at = time.time() + ttl
+        self._records[rec.id] = rec
+        return rec
+
+    async def extend(self, salt: str, context_id: str, messages: list[ChatMessage] | None, text: str | None,
+                     ttl: float | None) -> ContextRecord:
+        rec = self.get(salt, context_id)
+        async with rec.lock:
+            rec = self.get(salt, context_id)  # may have expired while waiting
+            if rec.kind == "chat":
+                if messages is None:
+                    messages = [ChatMessage(role="user", content=text or "")]
+                msgs = rec.messages + [m.as_template_message() for m in messages]
+                ids = context_tokens(self._tok, msgs)
+            else:
+                if messages is not None:
+                    raise unprocessable("this is a text context: extend it with 'text'", param="messages")
+                msgs, ids = [], rec.token_ids + text_tokens(self._tok, text or "")
+            ttl = ttl or rec.ttl
+            engine_id = f"{rec.id}/v{rec.version + 1}"
+            usage = await self._prefill(engine_id, ids, ttl, salt)
+            old = rec.engine_id
+            await self._engine.run(lambda core: core.release_context(old))
+            rec.messages, rec.token_ids, rec.engine_id, rec.version = msgs, ids, engine_id, rec.version + 1
+            rec.cached_tokens, rec.computed_tokens = usage.cached_tokens, len(ids) - usage.cached_tokens
+            rec.ttl, rec.expires_at = ttl, time.time() + ttl
+            return rec
+
+    async def release(self, salt: str, context_id: str) -> bool:
+        rec = self.get(salt, context_id)
+        self._records.pop(rec.id, None)
+        return await self._engine.run(lambda core: core.release_context(rec.engine_id))
+
+    def get(self, salt: str, context_id: str) -> ContextRecord:
+        """A live context of this tenant; 404 otherwise (unknown, another tenant's, expired)."""
+        self._prune()
+        rec = self._records.get(context_id)
+        if rec is None or rec.salt != salt:
+            raise not_found(f"no context {context_id!r} (unknown, released or expired)", param="context_id")
+        return rec
+
+    def _prune(self) -> None:
+        now = time.time()
+        for cid in [c for c, r in self._records.items() if r.expires_at <= now and not r.lock.locked()]:
+            del self._records[cid]
+
+    async def _prefill(self, engine_id: str, ids: tuple[int, ...], ttl: float, salt: str) -> Usage:
+        """Prefill and pin ``ids``; wait until pinned. Cancelled (client gone): frees its KV."""
+        prompt = joined_prompt(ids, ())
+        await admit(self._engine, self._metrics, self._base, prompt, len(ids), salt)
+        seq = await self._engine.run(lambda core: core.add_context(engine_id, ids, ttl=ttl, salt=salt))
+        delay = self._poll
+        try:
+            while (done := await self._engine.run(lambda core: _outcome(core, seq))) is None:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.02)
+        except BaseException:
+            await asyncio.shield(self._engine.run(lambda core: core.cancel(engine_id)))
+            raise
+        reason, usage = done
+        if reason is not FinishReason.PREFILLED:
+            raise ApiError(503, f"the context's prefill ended with {reason.value}", type="service_unavailable")
+        return usage
+
+
+def _outcome(core: EngineCore, seq: Sequence) -> tuple[FinishReason, Usage] | None:
+    del core  # read on the engine thread, which owns ``seq``
+    if seq.phase is not Phase.FINISHED:
+        return None
+    assert seq.finish_reason is not None
+    return seq.finish_reason, seq.usage()
+
+
+def _new_id() -> str:
+    return f"ctx_{uuid.uuid4().hex[:24]}"

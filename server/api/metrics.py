@@ -1,0 +1,128 @@
+"""Prometheus metrics of one server, in a registry of its own (no global state).
+
+Engine counters are read at scrape time from a snapshot taken on the engine thread; latency
+histograms are observed by the API as tokens stream out::
+
+    agentshare_prefill_tokens_total{source="computed"|"cached"}   prompt tokens computed vs served
+    agentshare_cache_blocks_total{outcome="hit"|"miss"|"inflight_hit"|"cross_module_hit"}
+    agentshare_kv_evictions_total, agentshare_kv_blocks{state=...}, agentshare_kv_bytes_held
+    agentshare_requests_waiting, agentshare_requests_running, agentshare_contexts_pinned
+    agentshare_time_to_first_token_seconds, agentshare_inter_token_latency_seconds,
+    agentshare_e2e_request_latency_seconds (histograms, by agent)
+    agentshare_requests_total{endpoint, status}, agentshare_rejected_requests_total{reason}
+
+>>> m = Metrics()
+>>> m.update(EngineSnapshot(prefill_tokens=30, cached_prompt_tokens=70))
+>>> b'agentshare_prefill_tokens_total{source="cached"} 70.0' in m.render()
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.engine.core import EngineCore
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSnapshot:
+    """The engine's counters and gauges at one instant (taken on the engine thread)."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    finished: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    inflight_hit_blocks: int = 0
+    cross_module_hit_blocks: int = 0
+    evictions: int = 0
+    blocks_capacity: int = 0
+    blocks_free: int = 0
+    blocks_held: int = 0
+    blocks_evictable: int = 0
+    bytes_held: int = 0
+    waiting: int = 0
+    running: int = 0
+    contexts: int = 0
+
+    @classmethod
+    def of(cls, core: EngineCore) -> EngineSnapshot:
+        s, p, u = core.stats, core.pool.stats, core.pool.usage()
+        return cls(
+            prompt_tokens=s.prompt_tokens, cached_prompt_tokens=s.cached_prompt_tokens,
+            prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, finished=s.finished,
+            hit_blocks=p.hit_blocks, miss_blocks=p.miss_blocks, inflight_hit_blocks=p.inflight_hit_blocks,
+            cross_module_hit_blocks=p.cross_module_hit_blocks, evictions=p.evictions,
+            blocks_capacity=u.capacity, blocks_free=u.free, blocks_held=u.held,
+            blocks_evictable=u.evictable, bytes_held=u.bytes_held,
+            waiting=len(core.waiting), running=len(core.running), contexts=len(core.contexts),
+        )
+
+
+class _EngineCollector(Collector):
+    def __init__(self) -> None:
+        self.snapshot = EngineSnapshot()
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        prefill = CounterMetricFamily("agentshare_prefill_tokens", "Prompt tokens: computed by prefill, "
+                                      "or served from the cache (shared, cached or in flight)", labels=["source"])
+        prefill.add_metric(["computed"], s.prefill_tokens)
+        prefill.add_metric(["cached"], s.cached_prompt_tokens)
+        yield prefill
+        yield CounterMetricFamily("agentshare_prompt_tokens", "Prompt tokens received", value=s.prompt_tokens)
+        yield CounterMetricFamily("agentshare_decode_tokens", "Tokens generated", value=s.decode_tokens)
+        blocks = CounterMetricFamily("agentshare_cache_blocks", "Prefix-cache lookups by outcome (blocks); "
+                                     "cross_module_hit: served a block another module computed", labels=["outcome"])
+        for outcome, v in (("hit", s.hit_blocks), ("miss", s.miss_blocks),
+                           ("inflight_hit", s.inflight_hit_blocks), ("cross_module_hit", s.cross_module_hit_blocks)):
+            blocks.add_metric([outcome], v)
+        yield blocks
+        yield CounterMetricFamily("agentshare_kv_evictions", "KV blocks evicted (LRU)", value=s.evictions)
+        kv = GaugeMetricFamily("agentshare_kv_blocks", "KV pool blocks by state", labels=["state"])
+        for state, v in (("free", s.blocks_free), ("held", s.blocks_held), ("evictable", s.blocks_evictable)):
+            kv.add_metric([state], v)
+        yield kv
+        yield GaugeMetricFamily("agentshare_kv_blocks_capacity", "KV pool size (blocks)", value=s.blocks_capacity)
+        yield GaugeMetricFamily("agentshare_kv_bytes_held", "KV bytes held by requests and pins", value=s.bytes_held)
+        occupancy = s.blocks_held / s.blocks_capacity if s.blocks_capacity else 0.0
+        yield GaugeMetricFamily("agentshare_kv_occupancy", "Fraction of KV blocks held", value=occupancy)
+        yield GaugeMetricFamily("agentshare_requests_waiting", "Requests queued in the engine", value=s.waiting)
+        yield GaugeMetricFamily("agentshare_requests_running", "Requests running in the engine", value=s.running)
+        yield GaugeMetricFamily("agentshare_contexts_pinned", "Shared contexts pinned", value=s.contexts)
+
+
+class Metrics:
+    """The metrics of one app."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
+        r = self.registry
+        self.ttft = Histogram("agentshare_time_to_first_token_seconds", "Time to the first token",
+                              ["agent"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("agentshare_inter_token_latency_seconds", "Time between tokens of a request",
+                             ["agent"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("agentshare_e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             ["agent"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("agentshare_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.rejected = Counter("agentshare_rejected_requests", "Requests refused with 429, by reason",
+                                ["reason"], registry=r)
+
+    def update(self, snapshot: EngineSnapshot) -> None:
+        self._engine.snapshot = snapshot
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,185 @@
+"""The OpenAI-compatible endpoints: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+
+Clients such as the ``openai`` package, LangChain's ``ChatOpenAI`` and ``vllm bench serve``
+work unchanged. Every agent of the family is a "model"; a chat request's messages but the
+last are its shared context, so agents asked about one conversation share its prefill.
+
+::
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")
+    client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}])
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from agentshare.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    Model,
+    ModelList,
+)
+from server.api.deps import Caller, agent, new_id, note, server_state
+from server.api.errors import ApiError, unprocessable
+from server.api.generation import (
+    ChoiceEvent,
+    check_finish,
+    collect,
+    sampling_params,
+    stream_choices,
+    until_disconnect,
+)
+from server.api.openai_render import Choices, TokenText, finish_of
+from server.api.prompts import chat_request_prompt, completion_prompts
+from server.api.sse import DONE, event_stream, prime, sse, sse_error
+
+router = APIRouter()
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request, _: Caller) -> ModelList:
+    state = server_state(request)
+    return ModelList(data=[Model(id=c.name, created=state.created, family=c.family, kind=c.kind)
+                           for c in state.facts.agents.values()])
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion)
+async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller) -> Response | ChatCompletion:
+    state = server_state(request)
+    _refuse_unsupported(body)
+    if body.tools:
+        raise unprocessable("tools: function calling is not supported by this server", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise unprocessable("response_format: only {'type': 'text'} is supported", param="response_format")
+    card = agent(state, body.model)
+    prompt = chat_request_prompt(state.facts.tokenizer, body.messages)
+    params = sampling_params(
+        limit=body.token_limit(), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=body.seed, stop=body.stop_list(), default_max_tokens=state.config.default_max_tokens,
+        ignore_eos=body.ignore_eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+    )
+    n, rid = body.n or 1, new_id("chatcmpl")
+    note(request, request_id=rid, agent=card.name, n=n, stream=body.stream, prompt_tokens=len(prompt.token_ids))
+    events = stream_choices(state.engine, state.metrics, rid, card.name, [prompt], params, n=n, salt=who.salt)
+    head = {"id": rid, "created": int(time.time()), "model": card.name, "system_fingerprint": state.fingerprint}
+    tt = TokenText(state.facts.tokenizer) if body.logprobs else None
+    if body.stream:
+        primed = await until_disconnect(request, prime(events))
+        return event_stream(_chat_chunks(primed, Choices(n_per_prompt=n, total=n), head, tt, body.include_usage, request))
+    acc = Choices(n_per_prompt=n, total=n)
+    await until_disconnect(request, collect(events, lambda item: (check_finish(item.event), acc.add(item))))
+    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(st.text)),
+                          finish_reason=finish_of(st.finish) or "stop",
+                          logprobs=tt.chat(st.events) if tt else None) for i, st in enumerate(acc.states)]
+    usage = acc.usage()
+    note(request, cached_tokens=usage.prompt_tokens_details.cached_tokens, completion_tokens=usage.completion_tokens)
+    return ChatCompletion(choices=choices, usage=usage, **head)
+
+
+async def _chat_chunks(events: AsyncIterator[ChoiceEvent], acc: Choices, head: dict[str, object],
+                       tt: TokenText | None, include_usage: bool, request: Request) -> AsyncIterator[bytes]:
+    try:
+        async for item in events:
+            check_finish(item.event)
+            st, ev = acc.add(item), item.event
+            finish = finish_of(ev.finish_reason)
+            lp = tt.chat([ev]) if tt is not None and ev.token_id is not None else None
+            if not ev.text and finish is None and lp is None:
+                continue  # nothing final to say yet (held back for a stop string or a split character)
+            delta = Delta(role=None if st.started else "assistant", content=ev.text)
+            st.started = True
+            yield sse(ChatCompletionChunk(choices=[ChunkChoice(index=item.index, delta=delta, finish_reason=finish,
+                                                               logprobs=lp)], **head))  # type: ignore[arg-type]
+        usage = acc.usage()
+        note(request, cached_tokens=usage.prompt_tokens_details.cached_tokens, completion_tokens=usage.completion_tokens)
+        if include_usage:
+            yield sse(ChatCompletionChunk(choices=[], usage=usage, **head))  # type: ignore[arg-type]
+        yield DONE
+    except ApiError as err:
+        note(request, stream_error=err.code)
+        yield sse_error(err)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+@router.post("/v1/completions", response_model=Completion)
+async def completions(body: CompletionRequest, request: Request, who: Caller) -> Response | Completion:
+    state = server_state(request)
+    _refuse_unsupported(body)
+    if body.echo:
+        raise unprocessable("echo: returning the prompt is not supported", param="echo")
+    if body.suffix:
+        raise unprocessable("suffix: insertion is not supported", param="suffix")
+    n = body.n or 1
+    if body.best_of is not None and body.best_of != n:
+        raise unprocessable("best_of: only best_of == n is supported", param="best_of")
+    card = agent(state, body.model)
+    prompts = completion_prompts(state.facts.tokenizer, body.prompt)
+    params = sampling_params(
+        limit=body.token_limit(), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=body.seed, stop=body.stop_list(), default_max_tokens=state.config.default_max_tokens,
+        ignore_eos=body.ignore_eos, logprobs=body.logprobs,
+    )
+    rid = new_id("cmpl")
+    note(request, request_id=rid, agent=card.name, n=n, stream=body.stream,
+         prompt_tokens=sum(len(p.token_ids) for p in prompts))
+    events = stream_choices(state.engine, state.metrics, rid, card.name, prompts, params, n=n, salt=who.salt)
+    head = {"id": rid, "created": int(time.time()), "model": card.name, "system_fingerprint": state.fingerprint}
+    tt = TokenText(state.facts.tokenizer) if body.logprobs is not None else None
+    acc = Choices(n_per_prompt=n, total=n * len(prompts))
+    if body.stream:
+        primed = await until_disconnect(request, prime(events))
+        return event_stream(_completion_chunks(primed, acc, head, tt, body.include_usage, request))
+    await until_disconnect(request, collect(events, lambda item: (check_finish(item.event), acc.add(item))))
+    choices = [CompletionChoice(index=i, text="".join(st.text), finish_reason=finish_of(st.finish) or "stop",
+                                logprobs=tt.completion(st.events) if tt else None) for i, st in enumerate(acc.states)]
+    usage = acc.usage()
+    note(request, cached_tokens=usage.prompt_tokens_details.cached_tokens, completion_tokens=usage.completion_tokens)
+    return Completion(choices=choices, usage=usage, **head)  # type: ignore[arg-type]
+
+
+async def _completion_chunks(events: AsyncIterator[ChoiceEvent], acc: Choices, head: dict[str, object],
+                             tt: TokenText | None, include_usage: bool, request: Request) -> AsyncIterator[bytes]:
+    try:
+        async for item in events:
+            check_finish(item.event)
+            offset = sum(map(len, acc.states[item.index].text))
+            st, ev = acc.add(item), item.event
+            finish = finish_of(ev.finish_reason)
+            lp = tt.completion([ev], offset) if tt is not None and ev.token_id is not None else None
+            if not ev.text and finish is None and lp is None:
+                continue
+            st.started = True
+            yield sse(Completion(choices=[CompletionChoice(index=item.index, text=ev.text, finish_reason=finish,
+                                                           logprobs=lp)], **head))  # type: ignore[arg-type]
+        usage = acc.usage()
+        note(request, cached_tokens=usage.prompt_tokens_details.cached_tokens, completion_tokens=usage.completion_tokens)
+        if include_usage:
+            yield sse(Completion(choices=[], usage=usage, **head))  # type: ignore[arg-type]
+        yield DONE
+    except ApiError as err:
+        yield sse_error(err)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """Known OpenAI options this server cannot honour are refused, not silently ignored."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise unprocessable(f"{name}: penalties are not supported (send 0 or omit it)", param=name)
+    if body.logit_bias:
+        raise unprocessable("logit_bias: not supported", param="logit_bias")

@@ -1,0 +1,70 @@
+"""From wire requests to engine prompts in the canonical layout (DESIGN §2).
+
+A chat request's shared context is every message but the last; the last is the agent's own
+turn, so any agent of the family asked about the same conversation shares its prefill. A
+completion's whole prompt is context (the agent's module computes from its last token on).
+
+>>> class Chars:                                 # a toy tokenizer: one id per character
+...     def encode(self, text, add_special_tokens): return [ord(c) for c in text]
+>>> p = completion_prompts(Chars(), "abc")[0]
+>>> p.token_ids, p.context_len
+((97, 98, 99), 3)
+>>> [q.token_ids for q in completion_prompts(Chars(), [[1, 2], [3]])]
+[(1, 2), (3,)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from agentshare.protocol import ChatMessage
+from server.api.errors import ApiError, unprocessable
+from server.prompt import ChatTokenizer, Prompt, chat_prompt, text_prompt
+
+
+def chat_request_prompt(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage]) -> Prompt:
+    """context = messages[:-1], the agent's turn = messages[-1:]."""
+    rendered = [m.as_template_message() for m in messages]
+    return chat_prompt(tokenizer, rendered[:-1], rendered[-1:])
+
+
+def completion_prompts(tokenizer: ChatTokenizer, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    """One prompt per entry of a (possibly batched) completion ``prompt``: text or token ids."""
+    if isinstance(prompt, str):
+        return [text_prompt(tokenizer, prompt)]
+    if not prompt:
+        raise unprocessable("prompt: send a string, a list of strings or token ids", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [_ids_prompt(prompt)]  # type: ignore[arg-type]
+    out: list[Prompt] = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(text_prompt(tokenizer, p))
+        elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+            out.append(_ids_prompt(p))
+        else:
+            raise ApiError(400, "prompt: mix of strings and token ids", param="prompt")
+    return out
+
+
+def context_tokens(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]]) -> tuple[int, ...]:
+    """Token ids of a shared chat context alone, exactly as :func:`chat_prompt` lays it out."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=False)
+    return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
+def text_tokens(tokenizer: ChatTokenizer, text: str) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
+
+
+def joined_prompt(context: Sequence[int], turn: Sequence[int]) -> Prompt:
+    """A plain-text prompt from token ids: ``context`` then the agent's ``turn``."""
+    ids = (*context, *turn)
+    return Prompt(ids, len(context), len(context), len(ids))
+
+
+def _ids_prompt(ids: Sequence[int]) -> Prompt:
+    if not ids:
+        raise unprocessable("prompt: empty list of token ids", param="prompt")
+    return joined_prompt(tuple(ids), ())

@@ -1,0 +1,52 @@
+"""``agentshare serve`` starts the real server in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+           "--dtype", "float32", "--threads", "1", "--kv-cache", "8MiB", "--module", f"coder={agent_dirs['coder']}",
+           "--api-key", "k1", "--log-level", "info"]
+    env = {**os.environ, "AGENTSHARE_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k1"}).json()
+        assert sorted(m["id"] for m in models["data"]) == ["base", "coder"]
+        r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer k1"}, timeout=60,
+                       json={"model": "coder", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert any(r.get("event") == "request" and r.get("endpoint") == "/v1/chat/completions" for r in records), err
+    assert not any("hello there" in line for line in err.splitlines())
