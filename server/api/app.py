@@ -34,8 +34,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, owns_
     config = config or ServerConfig()
     facts = EngineFacts.of(engine.core)  # before serving: nothing else touches the core yet
     metrics = Metrics()
-    base = next((c.name for c in facts.agents.values() if c.kind == "base"), config.base_name)
-    contexts = ContextStore(engine, metrics, facts.tokenizer, block_size=facts.block_size, base=base)
+    contexts = ContextStore(engine, metrics, facts.tokenizer)
     state = ServerState(engine, config, facts, Tenancy(config.api_keys), metrics, contexts, owns_engine=owns_engine)
 
     @asynccontextmanager

@@ -21,12 +21,11 @@ from typing import Any, Literal
 
 from agentshare.protocol import ChatMessage, ContextInfo
 from server.api.errors import ApiError, not_found, unprocessable
-from server.api.generation import admit
 from server.api.metrics import Metrics
 from server.api.prompts import context_tokens, joined_prompt, text_tokens
 from server.engine.async_engine import AsyncEngine
-from server.engine.core import EngineCore
-from server.engine.sequence import FinishReason, Phase, Sequence, Usage
+from server.engine.errors import Overloaded
+from server.engine.sequence import FinishReason, Usage
 from server.prompt import Prompt, chat_prompt
 
 
@@ -65,10 +64,8 @@ class ContextRecord:
 class ContextStore:
     """The contexts of one server, by id."""
 
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, tokenizer: Any, *, block_size: int,
-                 base: str, poll: float = 0.002) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, tokenizer: Any) -> None:
         self._engine, self._metrics, self._tok = engine, metrics, tokenizer
-        self._bs, self._base, self._poll = block_size, base, poll
         self._records: dict[str, ContextRecord] = {}
 
     async def create(self, salt: str, messages: list[ChatMessage] | None, text: str | None, ttl: float) -> ContextRecord:
@@ -131,29 +128,16 @@ class ContextStore:
 
     async def _prefill(self, engine_id: str, ids: tuple[int, ...], ttl: float, salt: str) -> Usage:
         """Prefill and pin ``ids``; wait until pinned. Cancelled (client gone): frees its KV."""
-        prompt = joined_prompt(ids, ())
-        await admit(self._engine, self._metrics, self._base, prompt, len(ids), salt)
-        seq = await self._engine.run(lambda core: core.add_context(engine_id, ids, ttl=ttl, salt=salt))
-        delay = self._poll
         try:
-            while (done := await self._engine.run(lambda core: _outcome(core, seq))) is None:
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 0.02)
-        except BaseException:
-            await asyncio.shield(self._engine.run(lambda core: core.cancel(engine_id)))
+            done = await self._engine.add_context(engine_id, ids, ttl=ttl, salt=salt)
+        except Overloaded as exc:
+            self._metrics.rejected.labels(exc.reason).inc()
             raise
-        reason, usage = done
-        if reason is not FinishReason.PREFILLED:
-            raise ApiError(503, f"the context's prefill ended with {reason.value}", type="service_unavailable")
-        return usage
-
-
-def _outcome(core: EngineCore, seq: Sequence) -> tuple[FinishReason, Usage] | None:
-    del core  # read on the engine thread, which owns ``seq``
-    if seq.phase is not Phase.FINISHED:
-        return None
-    assert seq.finish_reason is not None
-    return seq.finish_reason, seq.usage()
+        if done.finish_reason is not FinishReason.PREFILLED:
+            raise ApiError(503, f"the context's prefill ended with {done.finish_reason.value}",
+                           type="service_unavailable")
+        assert done.usage is not None
+        return done.usage
 
 
 def _new_id() -> str:

@@ -2,14 +2,14 @@
 
 ::
 
-    request ──admit (pool pressure check)──▶ n × engine.generate ──▶ one queue of ChoiceEvents
-                                                  │                         │
-             a bad request raises here, before ───┘    consumer leaves ─────┴─▶ every choice
-             any byte of the response is sent                                   cancelled, KV freed
+    request ──▶ n × engine.submit ──▶ n event streams ──▶ one queue of ChoiceEvents
+                     │                                         │
+   a refused request raises here (bad input,       consumer leaves ─▶ every choice
+   429), before any byte of the response is sent                    cancelled, KV freed
 
-Each choice's first event (or error) is awaited before anything is yielded, so a request that
-the engine refuses becomes an HTTP error, never a broken stream, and the first chunk carries
-a token. Latencies (TTFT, ITL, E2E) are observed here, per choice.
+Every choice is accepted by the engine before anything is yielded, so a request that the
+engine refuses becomes an HTTP error, never a broken stream. Latencies (TTFT, ITL, E2E) are
+observed here, per choice.
 
 >>> p = sampling_params(limit=None, temperature=None, top_p=None, top_k=-1, seed=None, stop=(),
 ...                     default_max_tokens=16)
@@ -20,7 +20,6 @@ a token. Latencies (TTFT, ITL, E2E) are observed here, per choice.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -28,10 +27,9 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from server.api.errors import ApiError, overloaded
+from server.api.errors import ApiError
 from server.api.metrics import Metrics
-from server.engine.async_engine import AsyncEngine
-from server.engine.core import EngineCore
+from server.engine.async_engine import AsyncEngine, EventStream
 from server.engine.errors import Overloaded
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, TokenEvent
@@ -61,84 +59,49 @@ def sampling_params(
     )
 
 
-def pool_pressure(core: EngineCore, module: str, prompt: Prompt, capacity: int, salt: str) -> float | None:
-    """Seconds until pins expire if this request could only be admitted once they do (the pool
-    is full of pinned contexts), else None. Runs on the engine thread."""
-    bs = core.config.block_size
-    now = core.pool.clock()
-    live = [p for p in core.pool.pins if p.deadline > now]
-    if not live:
-        return None
-    pinned = {b for p in live for b in p.block_ids}
-    match = core.explain(module, prompt, salt=salt)
-    usable = set(match.block_ids)
-    need = math.ceil(min(capacity, core.max_context) / bs) - len(usable)
-    if need <= core.pool.capacity - len(pinned - usable):
-        return None
-    return min(p.deadline for p in live) - now
-
-
-async def admit(engine: AsyncEngine, metrics: Metrics, module: str, prompt: Prompt, capacity: int,
-                salt: str) -> None:
-    """Refuse (429) a request that pinned contexts leave no room for."""
-    wait = await engine.run(lambda core: pool_pressure(core, module, prompt, capacity, salt)
-                            if module in core.modules else None)
-    if wait is not None:
-        metrics.rejected.labels("kv_pool_pinned").inc()
-        raise overloaded("pinned contexts fill the KV pool; release a context or retry after its TTL", wait)
-
-
 async def stream_choices(
     engine: AsyncEngine, metrics: Metrics, request_id: str, module: str,
     prompts: Sequence[Prompt], params: SamplingParams, *, n: int = 1, salt: str = "",
 ) -> AsyncIterator[ChoiceEvent]:
     """Events of ``n`` choices per prompt (choice index = prompt index * n + i), merged.
 
-    A seeded request gives choice ``i`` the seed ``seed + i`` so choices differ yet repeat.
-    Leaving the iteration early cancels every choice and frees its KV.
+    Every choice is submitted before anything is yielded, so a refused request (bad input,
+    429) raises before any byte of the response. A seeded request gives choice ``i`` the seed
+    ``seed + i`` so choices differ yet repeat. Leaving the iteration early cancels every choice
+    and frees its KV.
     """
-    for prompt in prompts:
-        await admit(engine, metrics, module, prompt, len(prompt.token_ids) + params.max_tokens, salt)
-    queue: asyncio.Queue[tuple[int, TokenEvent | None, BaseException | None]] = asyncio.Queue()
-    start = time.monotonic()
-
-    async def pump(index: int, prompt: Prompt, p: SamplingParams) -> None:
-        try:
-            async for ev in engine.generate(f"{request_id}/{index}", module, prompt, p, salt=salt):
-                await queue.put((index, ev, None))
-        except Exception as exc:  # noqa: BLE001 - typed engine errors arrive before the first event; re-raised by the consumer
-            await queue.put((index, None, exc))
-
     choices = [(i * n + j, prompt, replace(params, seed=params.seed + j) if params.seed is not None else params)
                for i, prompt in enumerate(prompts) for j in range(n)]
-    tasks = [asyncio.create_task(pump(*c)) for c in choices]
+    start = time.monotonic()
+    streams: list[tuple[int, EventStream]] = []
+    try:
+        for index, prompt, p in choices:
+            streams.append((index, await engine.submit(f"{request_id}/{index}", module, prompt, p, salt=salt)))
+    except BaseException as exc:
+        if isinstance(exc, Overloaded):
+            metrics.rejected.labels(exc.reason).inc()
+        for _, stream in streams:
+            stream.cancel()
+        raise
+    queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+
+    async def pump(index: int, stream: EventStream) -> None:
+        async for ev in stream:
+            await queue.put(ChoiceEvent(index, ev))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in streams]
     timing = _Timing(metrics, module, start)
     try:
-        started: set[int] = set()
-        early: list[ChoiceEvent] = []
-        while len(started) < len(tasks):  # hold output until every choice is accepted
-            index, ev, exc = await queue.get()
-            if exc is not None:
-                if isinstance(exc, Overloaded):
-                    metrics.rejected.labels("queue_full").inc()
-                raise exc
-            started.add(index)
-            assert ev is not None
-            early.append(ChoiceEvent(index, ev))
         finished = 0
-        for item in early:
+        while finished < len(tasks):
+            item = await queue.get()
             timing.observe(item)
             finished += item.event.finish_reason is not None
             yield item
-        while finished < len(tasks):
-            index, ev, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            assert ev is not None
-            timing.observe(ChoiceEvent(index, ev))
-            finished += ev.finish_reason is not None
-            yield ChoiceEvent(index, ev)
     finally:
+        # Synchronous first: inside a cancelled scope (client gone) every await is interrupted.
+        for _, stream in streams:
+            stream.cancel()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -24,6 +24,7 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -62,6 +63,33 @@ class EngineClosed(EngineError):
     """The engine was shut down."""
 
 
+class EventStream:
+    """The events of one submitted request; ``aclose()`` before the end cancels it."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, events: asyncio.Queue[TokenEvent]) -> None:
+        self.request_id, self._engine, self._events, self.finished = request_id, engine, events, False
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        self.finished = event.finish_reason is not None
+        return event
+
+    def cancel(self) -> None:
+        """Cancel the request unless it already finished (synchronous: safe in cleanup code
+        that runs inside a cancelled scope, where any await would be interrupted)."""
+        if not self.finished:
+            self.finished = True
+            self._engine._send(_Cancel(self.request_id), quiet=True)
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
 class AsyncEngine:
     """Drive an :class:`EngineCore` from a background thread; stream tokens to asyncio."""
 
@@ -76,10 +104,11 @@ class AsyncEngine:
 
     # ---- caller side (event loop) ----------------------------------------------------------
 
-    async def generate(
+    async def submit(
         self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = ""
-    ) -> AsyncIterator[TokenEvent]:
-        """Submit a request and stream its events; leaving the loop early cancels it."""
+    ) -> EventStream:
+        """Queue a request; raises the core's typed error for a bad one. Iterate the returned
+        stream for its events; closing it early cancels the request and frees its KV."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -88,16 +117,41 @@ class AsyncEngine:
 
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._send(_Add(request_id, module, prompt, params, salt, sink, done))
-        await asyncio.wrap_future(done)  # raises the core's typed error for a bad request
-        finished = False
+        await asyncio.wrap_future(done)
+        return EventStream(self, request_id, events)
+
+    async def generate(
+        self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = ""
+    ) -> AsyncIterator[TokenEvent]:
+        """:meth:`submit` and stream in one: errors arrive at the first iteration."""
+        stream = await self.submit(request_id, module, prompt, params, salt=salt)
         try:
-            while not finished:
-                event = await events.get()
-                finished = event.finish_reason is not None
+            async for event in stream:
                 yield event
         finally:
-            if not finished:
-                self._send(_Cancel(request_id), quiet=True)
+            stream.cancel()
+
+    async def add_context(
+        self, context_id: str, token_ids: SequenceOf[int], *, ttl: float, salt: str = ""
+    ) -> TokenEvent:
+        """Prefill and pin a shared context; returns its final (PREFILLED) event."""
+        loop = asyncio.get_running_loop()
+        final: asyncio.Future[TokenEvent] = loop.create_future()
+
+        def sink(event: TokenEvent) -> None:
+            if event.finish_reason is not None:
+                loop.call_soon_threadsafe(lambda: final.done() or final.set_result(event))
+
+        def add(core: EngineCore) -> None:
+            core.add_context(context_id, token_ids, ttl=ttl, salt=salt)
+            self._sinks[context_id] = sink
+
+        await self.run(add)
+        try:
+            return await final
+        finally:
+            if not final.done():
+                self._send(_Cancel(context_id), quiet=True)
 
     async def run(self, fn: Callable[[EngineCore], T]) -> T:
         """Run ``fn(core)`` on the engine thread and return its result."""
@@ -130,7 +184,7 @@ class AsyncEngine:
             cmds: list[Any] = []
             if idle:
                 try:
-                    cmds.append(self._inbox.get(timeout=None if not self.core.has_work else self._idle_wait))
+                    cmds.append(self._inbox.get(timeout=self._wait_budget()))
                 except queue.Empty:
                     pass
             while True:
@@ -144,10 +198,18 @@ class AsyncEngine:
                     return
                 self._handle(cmd)
             steps = self.core.stats.steps
+            self.core.expire()  # pins end on time even while nothing runs
             events = self.core.step() if self.core.has_work else []
             for event in events:
                 self._deliver(event)
             idle = not events and self.core.stats.steps == steps
+
+    def _wait_budget(self) -> float | None:
+        """How long the idle thread may block: until the next pin deadline, or forever."""
+        if self.core.has_work:
+            return self._idle_wait
+        deadline = self.core.pool.next_pin_deadline()
+        return None if deadline is None else max(0.0, deadline - self.core.pool.clock()) + 1e-3
 
     def _handle(self, cmd: _Add | _Cancel | _Call) -> None:
         if isinstance(cmd, _Add):

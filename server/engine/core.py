@@ -144,6 +144,7 @@ class EngineCore:
         if len(self.waiting) >= self.config.max_waiting:
             raise Overloaded(f"{len(self.waiting)} requests are already waiting; retry later")
         ip, layout = self._layout(m, prompt, salt)
+        self._refuse_if_pins_block(prompt, layout, capacity)
         seq = Sequence(
             request_id, m, self._lora_index.get(module, -1), prompt, ip, params, layout,
             TextStream(self.tokenizer, params.stop), None if params.greedy else params.generator(),
@@ -152,6 +153,20 @@ class EngineCore:
         self.waiting.append(seq)
         self.stats.prompt_tokens += n
         return seq
+
+    def _refuse_if_pins_block(self, prompt: Prompt, layout: Layout, capacity: int) -> None:
+        """Refuse now (with the time until the first pin ends) a request that could only be
+        admitted once pinned contexts expire, rather than let it wait in the queue that long."""
+        pinned = self.pool.pinned_blocks()
+        if not pinned:
+            return
+        usable = set(self.pool.match(list(prompt.token_ids), layout).block_ids)
+        need = math.ceil(capacity / self.config.block_size) - len(usable)
+        if need > self.pool.capacity - len(pinned - usable):
+            deadline = self.pool.next_pin_deadline()
+            wait = max(0.0, (deadline or 0.0) - self.pool.clock())
+            raise Overloaded("pinned contexts fill the KV pool; release a context or retry after its TTL",
+                             retry_after=wait, reason="kv_pool_pinned")
 
     def _layout(self, m: DecodeModule, prompt: Prompt, salt: str) -> tuple[int, Layout]:
         """The invocation point and block namespaces of a request: DESIGN §2 in one place."""
@@ -214,9 +229,15 @@ class EngineCore:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def step(self) -> list[TokenEvent]:
-        if self.pool.expire_pins():
+    def expire(self) -> int:
+        """Release pins whose TTL has passed (and forget their contexts); returns how many."""
+        n = self.pool.expire_pins()
+        if n:
             self.contexts = {k: p for k, p in self.contexts.items() if self.pool.is_pinned(p)}
+        return n
+
+    def step(self) -> list[TokenEvent]:
+        self.expire()
         self._admit()
         events: list[TokenEvent] = []
         self._resolve_pending()

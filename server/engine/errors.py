@@ -42,8 +42,10 @@ class UnknownModule(EngineError, LookupError):
 
 
 class Overloaded(EngineError):
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        self.retry_after = retry_after
+    """No room now; ``reason`` is a metric label (``queue_full``, ``kv_pool_pinned``)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0, *, reason: str = "queue_full") -> None:
+        self.retry_after, self.reason = retry_after, reason
         super().__init__(message)
 
 

@@ -464,6 +464,14 @@ class BlockPool:
                 expired += 1
         return expired
 
+    def pinned_blocks(self) -> set[int]:
+        """Blocks held by live pins (they cannot be freed before their pins end)."""
+        return {b for pin in self._pins.values() for b in pin.block_ids}
+
+    def next_pin_deadline(self) -> float | None:
+        """The earliest deadline among live pins (pool clock), or None without pins."""
+        return min((p.deadline for p in self._pins.values()), default=None)
+
     def is_pinned(self, pin: Pin) -> bool:
         """True while ``pin`` holds its blocks (not unpinned, not expired)."""
         return pin.id in self._pins

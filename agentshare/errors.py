@@ -1,0 +1,88 @@
+"""Every error the SDK raises, in one tree::
+
+    AgentshareError
+     ├── ServerStartError        the local server did not come up (its last log lines attached)
+     ├── ConnectionFailed        no server answered at the URL
+     └── APIError                the server answered with an error (status, message, type, code)
+          ├── BadRequestError        400, 413, 422: the request is wrong; the message says how
+          ├── AuthenticationError    401, 403: missing or unknown API key
+          ├── NotFoundError          404: unknown agent (model) or context
+          ├── RateLimitError         429: pool or queue full; retry after ``retry_after`` seconds
+          └── InternalServerError    5xx
+
+>>> err = error_from_response(404, {"error": {"message": "unknown agent 'x'", "type": "not_found"}})
+>>> isinstance(err, NotFoundError), str(err)
+(True, "404 not_found: unknown agent 'x'")
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class AgentshareError(Exception):
+    """Base of every agentshare SDK error."""
+
+
+class ServerStartError(AgentshareError):
+    """The local server process exited or did not become healthy in time."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        self.log_tail = log_tail
+        super().__init__(message + (f"\n--- last server log lines ---\n{log_tail}" if log_tail else ""))
+
+
+class ConnectionFailed(AgentshareError):
+    """The server could not be reached."""
+
+
+class APIError(AgentshareError):
+    """The server refused or failed a request."""
+
+    def __init__(self, status: int, message: str, *, type: str = "", code: str | None = None,
+                 retry_after: float | None = None) -> None:
+        self.status, self.message, self.type, self.code = status, message, type, code
+        self.retry_after = retry_after
+        super().__init__(f"{status} {type}: {message}" if type else f"{status}: {message}")
+
+
+class BadRequestError(APIError):
+    pass
+
+
+class AuthenticationError(APIError):
+    pass
+
+
+class NotFoundError(APIError):
+    pass
+
+
+class RateLimitError(APIError):
+    pass
+
+
+class InternalServerError(APIError):
+    pass
+
+
+def error_from_response(status: int, body: Any, *, retry_after: str | None = None) -> APIError:
+    """The :class:`APIError` subclass for an error response (OpenAI's error shape)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        message, etype, code = str(err.get("message", "")), str(err.get("type", "")), err.get("code")
+    else:
+        message, etype, code = str(body), "", None
+    cls: type[APIError]
+    if status in (401, 403):
+        cls = AuthenticationError
+    elif status == 404:
+        cls = NotFoundError
+    elif status == 429:
+        cls = RateLimitError
+    elif status >= 500:
+        cls = InternalServerError
+    else:
+        cls = BadRequestError
+    after = float(retry_after) if retry_after and retry_after.replace(".", "", 1).isdigit() else None
+    return cls(status, message, type=etype, code=code, retry_after=after)
