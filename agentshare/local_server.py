@@ -81,9 +81,10 @@ class LocalServer:
         self.log_path = Path(log)
         cmd = [self.python, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         with os.fdopen(fd, "wb") as out:
-            self.process = subprocess.Popen(
+            # Popen returns at once (fork + exec); preexec_fn only sets PR_SET_PDEATHSIG in the child
+            self.process = subprocess.Popen(  # noqa: ASYNC220
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
             )
         _live.add(self)
         deadline = time.monotonic() + self.startup_timeout

@@ -1,0 +1,285 @@
+"""The async client: connects to a server, or launches a local one and stops it when closed.
+
+::
+
+    AsyncClient()                      no URL: start `agentshare serve` on a free loopback port
+      │                                (the embedded default), wait for /health, stop it on aclose()
+    AsyncClient("http://host:8000")    connect to a running server
+      │
+      ├── await client.context(doc)    -> SharedContext (prefilled once, pinned)
+      ├── await client.attach(id)      -> SharedContext (an existing one, by id)
+      ├── await client.agents()        -> [ServedAgent]   what the server serves, with families
+      ├── await client.explain(...)    -> CacheExplanation (how much of a request the cache serves)
+      └── await client.metrics()       -> ServerMetrics  (prefill tokens computed vs cached)
+
+It works under asyncio and trio (anyio), and inside a running loop (Jupyter's top-level
+``await``). The server is started on first use or on ``async with``; ``aclose()`` stops it;
+it is also stopped at interpreter exit, and it dies with its parent process.
+
+>>> async with AsyncClient(dtype="float32") as client:                  # doctest: +SKIP
+...     ctx = await client.context("The service keeps one replica per zone ...")
+...     answer = await ctx.generate("base", "How many replicas per zone?", max_tokens=16)
+...     print(answer.text, answer.usage.cached_tokens)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any, Literal, Self
+
+import anyio
+import httpx
+
+from agentshare import protocol
+from agentshare.agent import Agent, as_agent
+from agentshare.context import SharedContext
+from agentshare.errors import AgentshareError, ConnectionFailed, error_from_response
+from agentshare.local_server import LocalServer
+from agentshare.metrics import ServerMetrics
+
+_STREAM_ERROR_STATUS = {"authentication_error": 401, "rate_limit_error": 429, "invalid_request_error": 400}
+
+
+@dataclass(frozen=True, slots=True)
+class ServedAgent:
+    """An agent the server serves: its decode module's kind and the prefill it shares."""
+
+    name: str
+    kind: Literal["base", "lora", "full"]
+    family: str | None  # None: a private prefill (no manifest for this family); ``reason`` says why
+    shares_prefill: bool
+    placement: Literal["turn", "header"]
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheExplanation:
+    """How much of a request the cache would serve now, and where it stops."""
+
+    agent: str
+    shares_prefill: bool
+    prompt_tokens: int
+    cached_tokens: int
+    block_size: int
+    blocks: int
+    cached_blocks: int
+    first_miss_block: int | None
+    first_miss_token: int | None
+
+
+class AsyncClient:
+    """A client of one agentshare server.
+
+    Args:
+        base_url: the server (``http://127.0.0.1:8000``); ``None`` launches a local one.
+        api_key: sent as ``Authorization: Bearer``; a launched server accepts it.
+        model: base model directory of a launched server (default: SmolLM2-135M-Instruct).
+        modules: ``{agent name: module directory}`` served by a launched server.
+        dtype: ``auto``, ``float32`` or ``bfloat16`` (launched server).
+        threads: torch threads of a launched server.
+        kv_cache: KV pool size of a launched server (``"512MiB"``).
+        server_args: more ``agentshare serve`` options for a launched server.
+        startup_timeout: seconds a launched server may take to become healthy.
+        timeout: seconds a request may take (generation included).
+        transport: an ``httpx`` transport (e.g. ``httpx.ASGITransport(app)`` for in-process tests).
+    """
+
+    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
+                 model: str | PathLike[str] | None = None,
+                 modules: Mapping[str, str | PathLike[str]] | None = None, dtype: str = "auto",
+                 threads: int | None = None, kv_cache: str | None = None, server_args: Sequence[str] = (),
+                 startup_timeout: float = 180.0, timeout: float = 600.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.api_key = api_key
+        self.timeout = timeout
+        self._transport = transport
+        self._base_url = base_url.rstrip("/") if base_url else None
+        self.server: LocalServer | None = None
+        if base_url is None and transport is None:
+            args = ["--dtype", dtype]
+            if model is not None:
+                args += ["--model", str(model)]
+            for name, path in (modules or {}).items():
+                args += ["--module", f"{name}={path}"]
+            if threads is not None:
+                args += ["--threads", str(threads)]
+            if kv_cache is not None:
+                args += ["--kv-cache", kv_cache]
+            if api_key is not None:
+                args += ["--api-key", api_key]
+            self.server = LocalServer([*args, *server_args], startup_timeout=startup_timeout)
+        elif model is not None or modules:
+            raise ValueError("model= and modules= configure a launched server; with a base_url the server "
+                             "serves what it was started with")
+        self._http: httpx.AsyncClient | None = None
+        self._lock: anyio.Lock | None = None
+        self.closed = False
+
+    @property
+    def base_url(self) -> str | None:
+        """The server's URL (a launched server's once started)."""
+        return self._base_url or (self.server.url if self.server is not None else None)
+
+    def __repr__(self) -> str:
+        how = "launched" if self.server is not None else "connected"
+        return f"<AsyncClient {how} {self.base_url}{' closed' if self.closed else ''}>"
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Launch the local server (if any) and open the connection; done on first use anyway."""
+        await self._client()
+
+    async def aclose(self) -> None:
+        """Close the connection and stop a launched server (waits until its process is gone)."""
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            if self._http is not None:
+                await self._http.aclose()
+                self._http = None
+            if self.server is not None:
+                await self.server.stop()
+
+    async def _client(self) -> httpx.AsyncClient:
+        if self.closed:
+            raise ConnectionFailed("this client is closed")
+        if self._http is not None:
+            return self._http
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            if self._http is None:
+                if self.server is not None and not self.server.running:
+                    try:
+                        await self.server.start()
+                    except BaseException:
+                        self.server.kill()
+                        raise
+                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                self._http = httpx.AsyncClient(
+                    base_url=self.base_url or "http://agentshare", headers=headers, transport=self._transport,
+                    timeout=httpx.Timeout(self.timeout, connect=10.0))
+        return self._http
+
+    # ---- HTTP --------------------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        http = await self._client()
+        try:
+            resp = await http.request(method, path, json=body)
+        except httpx.TransportError as exc:
+            raise ConnectionFailed(f"{method} {self.base_url}{path}: {exc!r}") from exc
+        if resp.status_code >= 400:
+            raise _error(resp.status_code, resp.content, resp.headers.get("retry-after"))
+        return resp.json() if resp.headers.get("content-type", "").startswith("application/json") else resp.text
+
+    async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The ``data:`` events of a server-sent-event response, until ``[DONE]``."""
+        http = await self._client()
+        try:
+            async with http.stream("POST", path, json=body) as resp:
+                if resp.status_code >= 400:
+                    raise _error(resp.status_code, await resp.aread(), resp.headers.get("retry-after"))
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:  # an error after the stream started
+                        etype = str((event["error"] or {}).get("type", ""))
+                        raise error_from_response(_STREAM_ERROR_STATUS.get(etype, 500), event)
+                    yield event
+        except httpx.TransportError as exc:
+            raise ConnectionFailed(f"POST {self.base_url}{path}: {exc!r}") from exc
+
+    def _content_body(self, content: str | Sequence[Any], *, text_kind: bool = False) -> dict[str, Any]:
+        if isinstance(content, str):
+            return {"text": content} if text_kind else {"messages": [{"role": "user", "content": content}]}
+        if text_kind:
+            raise ValueError("a text context is extended with text, not messages")
+        msgs = [m.model_dump(exclude_none=True) if isinstance(m, protocol.ChatMessage) else dict(m) for m in content]
+        return {"messages": msgs}
+
+    # ---- the API -----------------------------------------------------------------------------
+
+    async def context(self, content: str | Sequence[Any] | None = None, *, text: str | None = None,
+                      ttl: float | None = None) -> SharedContext:
+        """Prefill a shared context once and pin it for ``ttl`` seconds (server default: 600).
+
+        Args:
+            content: chat messages (``[{"role": "user", "content": ...}, ...]``), or a string
+                (one user message).
+            text: instead of ``content``, plain text without a chat template (agents' turns
+                are then plain text too).
+            ttl: seconds the server keeps it pinned; release it earlier with ``release()`` or
+                ``async with``.
+        """
+        if (content is None) == (text is None):
+            raise ValueError("give the context as content (messages or a string) or as text=, not both")
+        body = self._content_body(text, text_kind=True) if text is not None else self._content_body(content or "")
+        if ttl is not None:
+            body["ttl"] = ttl
+        info = protocol.ContextInfo.model_validate(await self._request("POST", "/v1/contexts", body))
+        return SharedContext(self, info)
+
+    async def attach(self, context_id: str) -> SharedContext:
+        """A handle on an existing context by id (e.g. one carried in a LangGraph state)."""
+        info = protocol.ContextInfo.model_validate(await self._request("GET", f"/v1/contexts/{context_id}"))
+        return SharedContext(self, info)
+
+    async def agents(self) -> list[ServedAgent]:
+        """The agents (decode modules) the server serves, and whether each shares the prefill."""
+        listing = protocol.AgentList.model_validate(await self._request("GET", "/v1/agents"))
+        return [ServedAgent(a.name, a.kind, a.family, a.shares_prefill, a.placement, a.reason) for a in listing.data]
+
+    async def explain(self, agent: Agent | str, messages: Sequence[Any] | None = None, *,
+                      context: SharedContext | None = None, prompt: str | None = None) -> CacheExplanation:
+        """How much of a request the cache would serve now (a pure query).
+
+        With ``context``: the agent's turn (its instruction and ``prompt``) after that context.
+        Otherwise ``messages`` laid out as a chat request (context = all but the last), or
+        ``prompt`` as a plain-text completion.
+        """
+        a = as_agent(agent)
+        body: dict[str, Any] = {"agent": a.module}
+        if context is not None:
+            body["context_id"] = context.id
+            turn = a.turn(prompt)
+            body.update({"text": turn} if context.kind == "text" else
+                        {"messages": [{"role": "user", "content": turn}]})
+        elif messages is not None:
+            body.update(self._content_body(messages))
+        elif prompt is not None:
+            body["prompt"] = prompt
+        else:
+            raise ValueError("explain: give messages, a prompt, or a context")
+        e = protocol.Explanation.model_validate(await self._request("POST", "/v1/explain", body))
+        return CacheExplanation(e.agent, e.shares_prefill, e.prompt_tokens, e.cached_tokens, e.block_size,
+                                e.blocks, e.cached_blocks, e.first_miss_block, e.first_miss_token)
+
+    async def metrics(self) -> ServerMetrics:
+        """The server's counters now (prefill tokens computed vs cached since it started)."""
+        return ServerMetrics.parse(str(await self._request("GET", "/metrics")))
+
+    async def health(self) -> protocol.Health:
+        return protocol.Health.model_validate(await self._request("GET", "/health"))
+
+
+def _error(status: int, content: bytes, retry_after: str | None) -> AgentshareError:
+    try:
+        body: Any = json.loads(content)
+    except ValueError:
+        body = content.decode(errors="replace")
+    return error_from_response(status, body, retry_after=retry_after)

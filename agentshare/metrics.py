@@ -1,0 +1,88 @@
+"""The server's counters that tell what sharing saved, read from its Prometheus ``/metrics``.
+
+Only the few figures the SDK shows are parsed; :attr:`ServerMetrics.samples` keeps every
+sample for the rest. Subtract two snapshots to see what happened in between.
+
+>>> text = '''# HELP agentshare_prefill_tokens_total Prompt tokens
+... agentshare_prefill_tokens_total{source="computed"} 120.0
+... agentshare_prefill_tokens_total{source="cached"} 480.0
+... agentshare_cache_blocks_total{outcome="cross_module_hit"} 30.0
+... agentshare_requests_running 1.0'''
+>>> m = ServerMetrics.parse(text)
+>>> m.prefill_computed_tokens, m.prefill_cached_tokens, m.requests_running
+(120, 480, 1)
+>>> (m - ServerMetrics.parse('agentshare_prefill_tokens_total{source="computed"} 100.0')).prefill_computed_tokens
+20
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+Labels = tuple[tuple[str, str], ...]
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, Labels], float]:
+    """``{(name, sorted labels): value}`` of a Prometheus text exposition."""
+    out: dict[tuple[str, Labels], float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        name, labels, value = m.groups()
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        out[(name, tuple(sorted(_LABEL.findall(labels or ""))))] = v
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ServerMetrics:
+    """A snapshot of the server's counters (cumulative since it started) and gauges."""
+
+    prefill_computed_tokens: int = 0  # prompt tokens prefilled
+    prefill_cached_tokens: int = 0  # prompt tokens served from the cache (shared)
+    cross_module_hit_blocks: int = 0  # blocks one agent read that another agent's request computed
+    decode_tokens: int = 0
+    requests_running: int = 0
+    requests_waiting: int = 0
+    contexts_pinned: int = 0
+    samples: Mapping[tuple[str, Labels], float] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+
+    @classmethod
+    def parse(cls, text: str) -> ServerMetrics:
+        s = parse_prometheus(text)
+
+        def get(name: str, **labels: str) -> int:
+            return int(s.get((name, tuple(sorted(labels.items()))), 0.0))
+
+        return cls(
+            prefill_computed_tokens=get("agentshare_prefill_tokens_total", source="computed"),
+            prefill_cached_tokens=get("agentshare_prefill_tokens_total", source="cached"),
+            cross_module_hit_blocks=get("agentshare_cache_blocks_total", outcome="cross_module_hit"),
+            decode_tokens=get("agentshare_decode_tokens_total"),
+            requests_running=get("agentshare_requests_running"),
+            requests_waiting=get("agentshare_requests_waiting"),
+            contexts_pinned=get("agentshare_contexts_pinned"),
+            samples=MappingProxyType(s),
+        )
+
+    def __sub__(self, earlier: ServerMetrics) -> ServerMetrics:
+        """Counters accumulated since ``earlier`` (gauges: this snapshot's values)."""
+        return ServerMetrics(
+            prefill_computed_tokens=self.prefill_computed_tokens - earlier.prefill_computed_tokens,
+            prefill_cached_tokens=self.prefill_cached_tokens - earlier.prefill_cached_tokens,
+            cross_module_hit_blocks=self.cross_module_hit_blocks - earlier.cross_module_hit_blocks,
+            decode_tokens=self.decode_tokens - earlier.decode_tokens,
+            requests_running=self.requests_running, requests_waiting=self.requests_waiting,
+            contexts_pinned=self.contexts_pinned, samples=self.samples,
+        )
