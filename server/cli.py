@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -24,13 +25,13 @@ def main() -> None:
 
 @app.command()
 def finetune(
-    data: Path = typer.Argument(..., help="JSONL rows: context, instruction, response"),
-    output: Path = typer.Option(..., "--output", "-o", help="module directory to write"),
-    name: str = typer.Option(..., help="module name (letters, digits, . _ -)"),
-    base: Path | None = typer.Option(None, help="base model directory (default: SmolLM2-135M-Instruct)"),
+    data: Annotated[Path, typer.Argument(help="JSONL rows: context, instruction, response")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="module directory to write")],
+    name: Annotated[str, typer.Option(help="module name (letters, digits, . _ -)")],
+    base: Annotated[Path | None, typer.Option(help="base model directory (default: SmolLM2-135M-Instruct)")] = None,
     kind: str = typer.Option("lora", help="lora or full"),
     rank: int = typer.Option(16), alpha: float = typer.Option(32.0),
-    target: list[str] | None = typer.Option(None, help="LoRA target module (repeat); default: all projections"),
+    target: Annotated[list[str] | None, typer.Option(help="LoRA target module (repeat); default: all projections")] = None,
     placement: str = typer.Option("turn", help="invocation point: turn or header"),
     epochs: float = typer.Option(1.0), batch_size: int = typer.Option(8),
     lr: float | None = typer.Option(None, help="default 1e-3 (lora), 5e-5 (full)"),

@@ -1,0 +1,171 @@
+"""The fidelity table: does a cache-conditioned module on the base's KV stay as good as its own fine-tune?
+
+Per task, accuracy on a held-out split of:
+
+1. ``base``      the base model, prompted (decoding from its own = the shared prefill);
+2. ``standard``  a standard LoRA fine-tune, served with its own prefill;
+3. ``naive``     that standard LoRA served from the base's KV (naive sharing);
+4. ``cache``     the cache-conditioned LoRA module served from the base's KV (agentshare);
+5. ``full``      a cache-conditioned full module from the base's KV (``--full``).
+
+Paired bootstrap intervals for (4)-(2) and (3)-(2) on the same examples. Modules and results are
+kept under ``--out``; a rerun skips what is done (so a long run can be resumed task by task)::
+
+    OMP_NUM_THREADS=1 python benchmarks/fidelity.py --tasks retrieval --train 800 --eval 300 \\
+        --out runs/fidelity --threads 1 --autocast
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from server.models.loader import default_model_dir
+from server.modules.manifest import ModuleKind
+from server.training.dataset import parse_row, write_jsonl
+from server.training.evaluate import Arm, accuracy, answers, load_split, paired_bootstrap
+from server.training.tasks import Difficulty, generate
+from server.training.trainer import FinetuneConfig, finetune
+
+MAX_NEW = {"retrieval": 12, "planning": 8, "tool": 48}
+
+
+def run_task(task: str, a: argparse.Namespace, base: Path) -> dict:
+    d = Path(a.out) / task
+    d.mkdir(parents=True, exist_ok=True)
+    result_path = d / "result.json"
+    if result_path.is_file():
+        return json.loads(result_path.read_text())
+    diff = Difficulty(records=a.records, chains=a.chains, chain_length=a.chain_length, tools=a.tools)
+    train = write_jsonl(generate(task, a.train, seed=0, difficulty=diff), d / "train.jsonl")
+    held = generate(task, a.eval, seed=1, difficulty=diff)
+    write_jsonl(held, d / "eval.jsonl")
+    common = dict(base=base, data=train, rank=a.rank, alpha=a.alpha, target_modules=tuple(a.targets),
+                  epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, seed=a.seed, autocast=a.autocast,
+                  kv_dtype="bfloat16", threads=a.threads, progress=not a.quiet)
+    trained = {}
+    kinds = [("standard", False, ModuleKind.LORA), ("cache", True, ModuleKind.LORA)]
+    if a.full:
+        kinds.append(("full", True, ModuleKind.FULL))
+    for name, cc, kind in kinds:
+        out = d / name
+        if not (out / "training.json").is_file():
+            finetune(FinetuneConfig(output=out, name=f"{task}-{name}", kind=kind, cache_conditioned=cc,
+                                    **{**common, "lr": a.full_lr if kind is ModuleKind.FULL else a.lr}))
+        trained[name] = json.loads((out / "training.json").read_text())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    std = load_split(base, d / "standard", autocast=a.autocast)
+    arms = {"base": Arm(load_split(base, autocast=a.autocast), shared=True),
+            "standard": Arm(std, shared=False), "naive": Arm(std, shared=True),
+            "cache": Arm(load_split(base, d / "cache", autocast=a.autocast), shared=True)}
+    if a.full:
+        arms["full"] = Arm(load_split(base, d / "full", autocast=a.autocast), shared=True)
+    examples = [parse_row(r, line=i + 1) for i, r in enumerate(held)]
+    t0 = time.perf_counter()
+    preds = answers(arms, examples, tok, batch_size=a.eval_batch, max_new_tokens=MAX_NEW[task],
+                    progress=not a.quiet)
+    correct = {k: accuracy(task, v, examples) for k, v in preds.items()}
+    res = {
+        "task": task, "difficulty": dataclasses.asdict(diff),
+        "train_examples": a.train, "eval_examples": a.eval,
+        "accuracy": {k: sum(v) / len(v) for k, v in correct.items()},
+        "cache_minus_standard": paired_bootstrap(correct["cache"], correct["standard"]),
+        "naive_minus_standard": paired_bootstrap(correct["naive"], correct["standard"]),
+        "training": {k: {"steps": v["steps"], "seconds": v["seconds"], "final_loss": v["final_loss"]}
+                     for k, v in trained.items()},
+        "eval_seconds": round(time.perf_counter() - t0, 1),
+        "samples": [{"reference": ex.response, **{k: preds[k][i] for k in preds}}
+                    for i, ex in enumerate(examples[:8])],
+    }
+    if a.full:
+        res["full_minus_standard"] = paired_bootstrap(correct["full"], correct["standard"])
+    (d / "predictions.json").write_text(json.dumps({"correct": correct, "predictions": preds}))
+    result_path.write_text(json.dumps(res, indent=2))
+    return res
+
+
+def run_curve(task: str, a: argparse.Namespace, base: Path) -> dict:
+    """Accuracy vs k (top layers whose prefix KV the module recomputes), eval only, paired to (2)."""
+    d = Path(a.out) / task
+    path = d / "curve.json"
+    curve = json.loads(path.read_text()) if path.is_file() else {}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    held = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+    examples = [parse_row(r, line=i + 1) for i, r in enumerate(held)]
+    ref = json.loads((d / "predictions.json").read_text())["correct"]["standard"]
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    for module in a.curve_modules:
+        for k in (int(x) for x in a.curve.split(",")):
+            key = f"{module}@{k}"
+            if key in curve:
+                continue
+            t0 = time.perf_counter()
+            arm = Arm(load_split(base, d / module, autocast=a.autocast, recompute=k), shared=True)
+            preds = answers({key: arm}, examples, tok, batch_size=a.eval_batch,
+                            max_new_tokens=MAX_NEW[task])[key]
+            ok = accuracy(task, preds, examples)
+            curve[key] = {"module": module, "k": k, "layers": layers, "accuracy": sum(ok) / len(ok),
+                          "prefill_saved": round(1 - k / layers, 4),
+                          "minus_standard": paired_bootstrap(ok, ref),
+                          "eval_seconds": round(time.perf_counter() - t0, 1)}
+            path.write_text(json.dumps(curve, indent=2))
+            print(task, key, f"acc={curve[key]['accuracy']:.3f}", flush=True)
+    return curve
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", default="retrieval,planning,tool")
+    p.add_argument("--train", type=int, default=800)
+    p.add_argument("--eval", type=int, default=300)
+    p.add_argument("--records", type=int, default=8)
+    p.add_argument("--chains", type=int, default=3)
+    p.add_argument("--chain-length", type=int, default=3)
+    p.add_argument("--tools", type=int, default=3)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"])
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--full", action="store_true", help="also train a cache-conditioned full module")
+    p.add_argument("--full-lr", type=float, default=5e-5)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--eval-batch", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--autocast", action="store_true", help="bf16 matmuls (CPU autocast)")
+    p.add_argument("--base", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", default="runs/fidelity")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--curve", default="", help="k values (e.g. 2,8,15): partial-recompute curve")
+    p.add_argument("--curve-modules", nargs="+", default=["standard", "cache"])
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    base = Path(a.base) if a.base else default_model_dir()
+    results = [run_task(t, a, base) for t in a.tasks.split(",")]
+    curves = {t: run_curve(t, a, base) for t in a.tasks.split(",")} if a.curve else {}
+    summary = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
+                           "cores_visible": os.cpu_count(), "torch": torch.__version__,
+                           "autocast_bf16": a.autocast},
+               "args": vars(a), "results": results, "curves": curves}
+    Path(a.out, "fidelity.json").write_text(json.dumps(summary, indent=2))
+    for r in results:
+        acc = r["accuracy"]
+        print(r["task"], " ".join(f"{k}={v:.3f}" for k, v in acc.items()),
+              "cache-standard={diff:+.3f} [{lo:+.3f},{hi:+.3f}]".format(**r["cache_minus_standard"]))
+
+
+if __name__ == "__main__":
+    main()

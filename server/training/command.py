@@ -1,0 +1,59 @@
+"""``agentshare finetune``: turn command-line options into a :class:`FinetuneConfig` and run it.
+
+Errors a user can fix (bad data, wrong family, missing model) are printed as one line on stderr
+with exit status 2, not as a traceback.
+
+>>> cfg = config_from_options({"data": "d.jsonl", "output": "o", "name": "x", "base": "/m",
+...                            "kind": "full", "target": None, "placement": "header"})
+>>> cfg.kind.value, cfg.placement.value, cfg.target_modules[:2]
+('full', 'header', ('q_proj', 'k_proj'))
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from server.modules.manifest import ManifestError, ModuleKind
+from server.prompt import Placement
+from server.training.dataset import DataError
+from server.training.trainer import DEFAULT_TARGETS, FamilyMismatch, FinetuneConfig, finetune
+
+_DIRECT = ("rank", "alpha", "epochs", "batch_size", "lr", "max_length", "seed", "kv_dtype",
+           "family", "checkpoint_every", "threads")
+
+
+def config_from_options(opts: Mapping[str, Any]) -> FinetuneConfig:
+    """Map the CLI's option names onto a :class:`FinetuneConfig` (absent options: defaults)."""
+    base = opts.get("base")
+    if base is None:
+        from server.models.loader import default_model_dir
+
+        base = default_model_dir()
+    try:
+        kind = ModuleKind(opts.get("kind", "lora"))
+        placement = Placement(opts.get("placement", "turn"))
+    except ValueError as exc:
+        raise DataError(f"bad option: {exc}") from None
+    extra = {k: opts[k] for k in _DIRECT if opts.get(k) is not None}
+    return FinetuneConfig(
+        base=Path(base), data=Path(opts["data"]), output=Path(opts["output"]), name=opts["name"],
+        kind=kind, placement=placement, target_modules=tuple(opts.get("target") or DEFAULT_TARGETS),
+        cache_conditioned=not opts.get("standard", False), autocast=bool(opts.get("bf16", False)),
+        **extra)
+
+
+def run_finetune(opts: Mapping[str, Any]) -> int:
+    """Run the command; returns its exit status."""
+    from server.models.loader import ModelLoadError
+
+    try:
+        result = finetune(config_from_options(opts))
+    except (DataError, FamilyMismatch, ManifestError, FileNotFoundError, ModelLoadError) as exc:
+        print(f"agentshare finetune: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {result.output} ({result.steps} steps, {result.examples} examples, "
+          f"{result.seconds:.0f} s, family {result.family[:12]}…)")
+    return 0
