@@ -293,6 +293,10 @@ class EngineCore:
         self.pool.register(match, fresh, prompt, seq.layout, computed_by=seq.module.name)
         seq.blocks = [*match.block_ids, *fresh]
         seq.slot_table = self.kv.slots(seq.blocks)[: seq.capacity]
+        limit, run = min(seq.prompt.context_len // bs, len(seq.blocks)), 0
+        while run < limit and (run == 0 or seq.blocks[run] == seq.blocks[run - 1] + 1):
+            run += 1
+        seq.prefix_blocks = run
         seq.match, seq.pending = match, match.pending
         seq.num_computed = seq.cached_tokens = match.num_cached_tokens
         seq.num_committed_blocks = len(match.block_ids)
@@ -355,10 +359,7 @@ class EngineCore:
         bs = self.config.block_size
         # The shared prefix: leading consecutive blocks of the shared context, already written.
         # Every agent of one context gets the same one, so the batch reads it once.
-        limit = min(seq.prompt.context_len, start) // bs
-        run = 0
-        while run < limit and (run == 0 or seq.blocks[run] == seq.blocks[run - 1] + 1):
-            run += 1
+        run = min(seq.prefix_blocks, start // bs)
         prefix = SharedPrefix(seq.blocks[0], run * bs) if run else None
         assert seq.slot_table is not None
         return Chunk(seq.tokens[start : start + n], start, seq.slot_table[run * bs : start + n], prefix)

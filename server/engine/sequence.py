@@ -80,6 +80,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # prompt then generated
     blocks: list[int] = field(default_factory=list)
     slot_table: torch.Tensor | None = None  # slot of each reserved position (set at admission)
+    prefix_blocks: int = 0  # leading consecutive blocks within the shared context (set at admission)
     match: PrefixMatch | None = None
     num_computed: int = 0  # positions whose KV is written (or shared and ready)
     num_committed_blocks: int = 0  # leading blocks handed to the pool as ready
