@@ -31,6 +31,7 @@ from agentshare.protocol import (
     Delta,
     Model,
     ModelList,
+    Usage,
 )
 from server.api.deps import Caller, agent, new_id, note, server_state
 from server.api.errors import ApiError, unprocessable
@@ -84,8 +85,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(st.text)),
                           finish_reason=finish_of(st.finish) or "stop",
                           logprobs=tt.chat(st.events) if tt else None) for i, st in enumerate(acc.states)]
-    usage = acc.usage()
-    note(request, cached_tokens=usage.prompt_tokens_details.cached_tokens, completion_tokens=usage.completion_tokens)
+    usage = _logged_usage(request, acc)
     return ChatCompletion(choices=choices, usage=usage, **head)
 
 
@@ -103,8 +103,7 @@ async def _chat_chunks(events: AsyncIterator[ChoiceEvent], acc: Choices, head: d
             st.started = True
             yield sse(ChatCompletionChunk(choices=[ChunkChoice(index=item.index, delta=delta, finish_reason=finish,
                                                                logprobs=lp)], **head))  # type: ignore[arg-type]
-        usage = acc.usage()
-        note(request, cached_tokens=usage.prompt_tokens_details.cached_tokens, completion_tokens=usage.completion_tokens)
+        usage = _logged_usage(request, acc)
         if include_usage:
             yield sse(ChatCompletionChunk(choices=[], usage=usage, **head))  # type: ignore[arg-type]
         yield DONE
@@ -146,8 +145,7 @@ async def completions(body: CompletionRequest, request: Request, who: Caller) ->
     await until_disconnect(request, collect(events, lambda item: (check_finish(item.event), acc.add(item))))
     choices = [CompletionChoice(index=i, text="".join(st.text), finish_reason=finish_of(st.finish) or "stop",
                                 logprobs=tt.completion(st.events) if tt else None) for i, st in enumerate(acc.states)]
-    usage = acc.usage()
-    note(request, cached_tokens=usage.prompt_tokens_details.cached_tokens, completion_tokens=usage.completion_tokens)
+    usage = _logged_usage(request, acc)
     return Completion(choices=choices, usage=usage, **head)  # type: ignore[arg-type]
 
 
@@ -165,15 +163,22 @@ async def _completion_chunks(events: AsyncIterator[ChoiceEvent], acc: Choices, h
             st.started = True
             yield sse(Completion(choices=[CompletionChoice(index=item.index, text=ev.text, finish_reason=finish,
                                                            logprobs=lp)], **head))  # type: ignore[arg-type]
-        usage = acc.usage()
-        note(request, cached_tokens=usage.prompt_tokens_details.cached_tokens, completion_tokens=usage.completion_tokens)
+        usage = _logged_usage(request, acc)
         if include_usage:
             yield sse(Completion(choices=[], usage=usage, **head))  # type: ignore[arg-type]
         yield DONE
     except ApiError as err:
+        note(request, stream_error=err.code)
         yield sse_error(err)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+def _logged_usage(request: Request, acc: Choices) -> Usage:
+    """The response's usage, noted in the request log line."""
+    usage = acc.usage()
+    note(request, cached_tokens=usage.prompt_tokens_details.cached_tokens, completion_tokens=usage.completion_tokens)
+    return usage
 
 
 def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
