@@ -64,12 +64,82 @@ def serve(
         "space-separated); none: no auth"),
     log_level: str = typer.Option("info"),
     context_ttl: float = typer.Option(600.0, help="default TTL of a pinned shared context, seconds"),
+    disaggregated: bool = typer.Option(False, help="run prefill and decode in worker processes, this one routes"),
+    prefill_workers: int = typer.Option(1, help="with --disaggregated: prefill worker processes"),
+    decode_workers: int = typer.Option(2, help="with --disaggregated: decode worker processes (agents dealt round-robin)"),
+    transfer_codec: str = typer.Option("bf16", help="with --disaggregated: KV payload: fp32, bf16 or int8 (lossy namespace)"),
+    transport: str = typer.Option("shm", help="with --disaggregated: shm (same host) or tcp"),
+    offload_threshold: int = typer.Option(256, help="with --disaggregated: offload prefills longer than this (tokens)"),
 ) -> None:
     """Serve the OpenAI-compatible and native API; every agent of the family shares prefill."""
     from server.api.serve import config_from_options
     from server.api.serve import serve as run_server
 
-    run_server(config_from_options(locals()))
+    opts = locals()
+    config = config_from_options(opts)
+    if not disaggregated:
+        run_server(config)
+        return
+    from server.cluster.launch import serve_disaggregated
+
+    serve_disaggregated(config, prefill=prefill_workers, decode=decode_workers, threads=threads,
+                        router=_router_config(transfer_codec, transport, offload_threshold))
+
+
+@app.command()
+def worker(
+    role: str = typer.Option(..., help="prefill or decode"),
+    host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8101),
+    model: Path | None = typer.Option(None, help="base model directory (default: SmolLM2-135M-Instruct)"),
+    module: list[str] | None = typer.Option(None, help="decode workers: agent as NAME=PATH (repeat)"),
+    dtype: str = typer.Option("auto"), threads: int | None = typer.Option(None),
+    cpus: str | None = typer.Option(None, help="cores to run on, e.g. 0,1"),
+    kv_cache: str = typer.Option("1GiB"), max_step_tokens: int = typer.Option(512),
+    chunk_blocks: int = typer.Option(32, help="KV blocks per transferred chunk"),
+    kv_port: int = typer.Option(0, help="decode workers: port of the KV receiver (0: any)"),
+    join: str | None = typer.Option(None, help="router URL to join (a worker on another host)"),
+    advertise: str | None = typer.Option(None, help="URL the router reaches this worker at (default: host:port)"),
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Run one worker of a disaggregated cluster (prefill or decode)."""
+    from server.api.serve import config_from_options
+    from server.cluster.launch import serve_worker
+
+    if role not in ("prefill", "decode"):
+        raise typer.BadParameter("--role is prefill or decode")
+    config = config_from_options(locals())
+    config = type(config)(**{**{f: getattr(config, f) for f in type(config).__dataclass_fields__},
+                             "max_step_tokens": max_step_tokens})
+    serve_worker(config, role=role, chunk_blocks=chunk_blocks,  # type: ignore[arg-type]
+                 cpus=[int(c) for c in cpus.split(",")] if cpus else (), join=join, kv_port=kv_port,
+                 advertise=advertise)
+
+
+@app.command()
+def router(
+    worker: Annotated[list[str], typer.Option(help="worker URL (repeat); more can join later")],
+    host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
+    model: Path | None = typer.Option(None, help="base model directory, for the tokenizer"),
+    api_key: list[str] | None = typer.Option(None, envvar="AGENTSHARE_API_KEYS"),
+    transfer_codec: str = typer.Option("bf16"), transport: str = typer.Option("shm"),
+    offload_threshold: int = typer.Option(256), log_level: str = typer.Option("info"),
+) -> None:
+    """Serve the API over running workers (started with ``agentshare worker``)."""
+    from server.api.serve import config_from_options
+    from server.cluster.launch import serve_router
+
+    serve_router(config_from_options(locals()), worker, _router_config(transfer_codec, transport, offload_threshold))
+
+
+def _router_config(codec: str, transport: str, threshold: int) -> object:
+    from server.cluster.codec import Codec
+    from server.cluster.router import RouterConfig
+    from server.policy import OffloadPolicy
+
+    try:
+        return RouterConfig(codec=Codec(codec), transport=transport, policy=OffloadPolicy(threshold_tokens=threshold))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 if __name__ == "__main__":

@@ -10,40 +10,63 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api import native_routes, openai_routes, ops_routes
+from server.api.backend import Backend, LocalBackend
 from server.api.config import ServerConfig
 from server.api.contexts import ContextStore
 from server.api.errors import install_error_handlers
 from server.api.metrics import Metrics
-from server.api.state import EngineFacts, ServerState
+from server.api.state import ServerState
 from server.api.tenancy import Tenancy
 from server.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("agentshare.api")
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, owns_engine: bool = False) -> FastAPI:
-    """An app serving ``engine``. With ``owns_engine`` the app closes the engine on shutdown."""
+class AppPlugin(Protocol):
+    """Extra routes with a life of their own (a worker's internal API, the router's membership)."""
+
+    router: APIRouter
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def create_app(
+    engine: AsyncEngine | Backend, config: ServerConfig | None = None, *, owns_engine: bool = False,
+    plugins: Sequence[AppPlugin] = (),
+) -> FastAPI:
+    """An app serving ``engine`` (a local :class:`AsyncEngine`, or any :class:`Backend` such as
+    the cluster router). With ``owns_engine`` the app closes it on shutdown. ``plugins`` add
+    routes, started after the app's own start-up and stopped before it closes the engine."""
     config = config or ServerConfig()
-    facts = EngineFacts.of(engine.core)  # before serving: nothing else touches the core yet
+    backend: Backend = LocalBackend(engine) if isinstance(engine, AsyncEngine) else engine
+    facts = backend.facts
     metrics = Metrics()
-    contexts = ContextStore(engine, metrics, facts.tokenizer)
-    state = ServerState(engine, config, facts, Tenancy(config.api_keys), metrics, contexts, owns_engine=owns_engine)
+    contexts = ContextStore(backend, metrics, facts.tokenizer)
+    state = ServerState(backend, config, facts, Tenancy(config.api_keys), metrics, contexts, owns_backend=owns_engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         log.info("serving", extra={"event": "start", "family": facts.family, "agents": ",".join(facts.agents),
                                    "auth": config.auth_required})
-        yield
+        for plugin in plugins:
+            await plugin.start()
+        try:
+            yield
+        finally:
+            for plugin in reversed(plugins):
+                await plugin.stop()
         if owns_engine:
-            engine.close()
+            backend.close()
 
     app = FastAPI(title="agentshare", version="0.1", lifespan=lifespan,
                   description="OpenAI-compatible and native API; agents of one family share prefill.")
@@ -51,6 +74,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, owns_
     install_error_handlers(app)
     for module in (openai_routes, native_routes, ops_routes):
         app.include_router(module.router)
+    for plugin in plugins:
+        app.include_router(plugin.router)
     app.add_middleware(RequestLogMiddleware, metrics=metrics)
     return app
 

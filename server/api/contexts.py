@@ -17,16 +17,18 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from agentshare.protocol import ChatMessage, ContextInfo
 from server.api.errors import ApiError, not_found, unprocessable
 from server.api.metrics import Metrics
 from server.api.prompts import context_tokens, joined_prompt, text_tokens
-from server.engine.async_engine import AsyncEngine
 from server.engine.errors import Overloaded
 from server.engine.sequence import FinishReason, Usage
 from server.prompt import Prompt, chat_prompt
+
+if TYPE_CHECKING:
+    from server.api.backend import Backend
 
 
 @dataclass(slots=True)
@@ -64,8 +66,8 @@ class ContextRecord:
 class ContextStore:
     """The contexts of one server, by id."""
 
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, tokenizer: Any) -> None:
-        self._engine, self._metrics, self._tok = engine, metrics, tokenizer
+    def __init__(self, backend: Backend, metrics: Metrics, tokenizer: Any) -> None:
+        self._backend, self._metrics, self._tok = backend, metrics, tokenizer
         self._records: dict[str, ContextRecord] = {}
 
     async def create(self, salt: str, messages: list[ChatMessage] | None, text: str | None, ttl: float) -> ContextRecord:
@@ -102,7 +104,7 @@ class ContextStore:
             engine_id = f"{rec.id}/v{rec.version + 1}"
             usage = await self._prefill(engine_id, ids, ttl, salt)
             old = rec.engine_id
-            await self._engine.run(lambda core: core.release_context(old))
+            await self._backend.release_context(old)
             rec.messages, rec.token_ids, rec.engine_id, rec.version = msgs, ids, engine_id, rec.version + 1
             rec.cached_tokens, rec.computed_tokens = usage.cached_tokens, len(ids) - usage.cached_tokens
             rec.ttl, rec.expires_at = ttl, time.time() + ttl
@@ -111,7 +113,7 @@ class ContextStore:
     async def release(self, salt: str, context_id: str) -> bool:
         rec = self.get(salt, context_id)
         self._records.pop(rec.id, None)
-        return await self._engine.run(lambda core: core.release_context(rec.engine_id))
+        return await self._backend.release_context(rec.engine_id)
 
     def get(self, salt: str, context_id: str) -> ContextRecord:
         """A live context of this tenant; 404 otherwise (unknown, another tenant's, expired)."""
@@ -129,7 +131,7 @@ class ContextStore:
     async def _prefill(self, engine_id: str, ids: tuple[int, ...], ttl: float, salt: str) -> Usage:
         """Prefill and pin ``ids``; wait until pinned. Cancelled (client gone): frees its KV."""
         try:
-            done = await self._engine.add_context(engine_id, ids, ttl=ttl, salt=salt)
+            done = await self._backend.add_context(engine_id, ids, ttl=ttl, salt=salt)
         except Overloaded as exc:
             self._metrics.rejected.labels(exc.reason).inc()
             raise

@@ -10,7 +10,7 @@
     422     invalid_request_error    readable, but a value is not acceptable (negative limits, ...)
     429     rate_limit_error         the queue limit is reached or pinned contexts fill the pool
                                      (with a Retry-After header)
-    503     service_unavailable      the engine is shutting down
+    503     service_unavailable      the engine is shutting down, or no worker can serve the request
 
 >>> err = from_engine(Overloaded("busy", retry_after=2.5))
 >>> err.status, err.headers["Retry-After"], err.body()["error"]["code"]
@@ -38,6 +38,7 @@ from server.engine.errors import (
     InvalidRequest,
     Overloaded,
     PromptTooLong,
+    Unavailable,
     UnknownModule,
 )
 
@@ -89,6 +90,9 @@ def from_engine(exc: EngineError) -> ApiError:
         return overloaded(str(exc), exc.retry_after)
     if isinstance(exc, EngineClosed):
         return ApiError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+    if isinstance(exc, Unavailable):
+        return ApiError(503, str(exc), type="service_unavailable", code="unavailable",
+                        headers={"Retry-After": "1"})
     return ApiError(500, f"engine error: {exc}", type="server_error", code="engine_error")
 
 

@@ -2,7 +2,7 @@
 
 ::
 
-    request ──▶ n × engine.submit ──▶ n event streams ──▶ one queue of ChoiceEvents
+    request ──▶ n × backend.submit ──▶ n event streams ──▶ one queue of ChoiceEvents
                      │                                         │
    a refused request raises here (bad input,       consumer leaves ─▶ every choice
    429), before any byte of the response is sent                    cancelled, KV freed
@@ -27,9 +27,9 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from server.api.backend import Backend, EventSource
 from server.api.errors import ApiError
 from server.api.metrics import Metrics
-from server.engine.async_engine import AsyncEngine, EventStream
 from server.engine.errors import Overloaded
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, TokenEvent
@@ -60,7 +60,7 @@ def sampling_params(
 
 
 async def stream_choices(
-    engine: AsyncEngine, metrics: Metrics, request_id: str, module: str,
+    backend: Backend, metrics: Metrics, request_id: str, module: str,
     prompts: Sequence[Prompt], params: SamplingParams, *, n: int = 1, salt: str = "",
 ) -> AsyncIterator[ChoiceEvent]:
     """Events of ``n`` choices per prompt (choice index = prompt index * n + i), merged.
@@ -73,10 +73,10 @@ async def stream_choices(
     choices = [(i * n + j, prompt, replace(params, seed=params.seed + j) if params.seed is not None else params)
                for i, prompt in enumerate(prompts) for j in range(n)]
     start = time.monotonic()
-    streams: list[tuple[int, EventStream]] = []
+    streams: list[tuple[int, EventSource]] = []
     try:
         for index, prompt, p in choices:
-            streams.append((index, await engine.submit(f"{request_id}/{index}", module, prompt, p, salt=salt)))
+            streams.append((index, await backend.submit(f"{request_id}/{index}", module, prompt, p, salt=salt)))
     except BaseException as exc:
         if isinstance(exc, Overloaded):
             metrics.rejected.labels(exc.reason).inc()
@@ -85,7 +85,7 @@ async def stream_choices(
         raise
     queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
 
-    async def pump(index: int, stream: EventStream) -> None:
+    async def pump(index: int, stream: EventSource) -> None:
         async for ev in stream:
             await queue.put(ChoiceEvent(index, ev))
 

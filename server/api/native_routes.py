@@ -107,7 +107,7 @@ async def generate(context_id: str, body: GenerateRequest, request: Request,
     rid = new_id("gen")
     note(request, request_id=rid, agent=card.name, context_id=rec.id, stream=body.stream,
          prompt_tokens=len(prompt.token_ids))
-    events = stream_choices(state.engine, state.metrics, rid, card.name, [prompt], params, salt=who.salt)
+    events = stream_choices(state.backend, state.metrics, rid, card.name, [prompt], params, salt=who.salt)
     head = {"id": rid, "agent": card.name, "context_id": rec.id}
     if body.stream:
         primed = await until_disconnect(request, prime(events))
@@ -144,13 +144,13 @@ async def explain(body: ExplainRequest, request: Request, who: Caller) -> Explan
     state = server_state(request)
     card = agent(state, body.agent, param="agent")
     prompt = _explain_prompt(state, who, body)
-    match = await state.engine.run(lambda core: core.explain(card.name, prompt, salt=who.salt))
-    first = match.first_miss
+    report = await state.backend.explain(card.name, prompt, salt=who.salt)
+    first = report.first_miss
     return Explanation(
         agent=card.name, shares_prefill=card.shares_prefill, prompt_tokens=len(prompt.token_ids),
-        block_size=match.block_size, blocks=match.num_blocks, cached_blocks=len(match.block_ids),
-        cached_tokens=match.num_cached_tokens, first_miss_block=first,
-        first_miss_token=None if first is None else first * match.block_size,
+        block_size=report.block_size, blocks=report.blocks, cached_blocks=report.cached_blocks,
+        cached_tokens=report.cached_tokens, first_miss_block=first,
+        first_miss_token=None if first is None else first * report.block_size,
     )
 
 

@@ -74,7 +74,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     )
     n, rid = body.n or 1, new_id("chatcmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream, prompt_tokens=len(prompt.token_ids))
-    events = stream_choices(state.engine, state.metrics, rid, card.name, [prompt], params, n=n, salt=who.salt)
+    events = stream_choices(state.backend, state.metrics, rid, card.name, [prompt], params, n=n, salt=who.salt)
     head = {"id": rid, "created": int(time.time()), "model": card.name, "system_fingerprint": state.fingerprint}
     tt = TokenText(state.facts.tokenizer) if body.logprobs else None
     if body.stream:
@@ -135,7 +135,7 @@ async def completions(body: CompletionRequest, request: Request, who: Caller) ->
     rid = new_id("cmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream,
          prompt_tokens=sum(len(p.token_ids) for p in prompts))
-    events = stream_choices(state.engine, state.metrics, rid, card.name, prompts, params, n=n, salt=who.salt)
+    events = stream_choices(state.backend, state.metrics, rid, card.name, prompts, params, n=n, salt=who.salt)
     head = {"id": rid, "created": int(time.time()), "model": card.name, "system_fingerprint": state.fingerprint}
     tt = TokenText(state.facts.tokenizer) if body.logprobs is not None else None
     acc = Choices(n_per_prompt=n, total=n * len(prompts))

@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from agentshare.protocol import Health
 from server.api.deps import server_state
-from server.api.metrics import CONTENT_TYPE, EngineSnapshot
+from server.api.metrics import CONTENT_TYPE
 
 router = APIRouter()
 
@@ -18,12 +18,12 @@ router = APIRouter()
 @router.get("/health", response_model=Health)
 async def health(request: Request) -> Health:
     state = server_state(request)
-    snap = await state.engine.run(EngineSnapshot.of)
+    snap = await state.backend.snapshot()
     return Health(family=state.facts.family, agents=len(state.facts.agents), waiting=snap.waiting, running=snap.running)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = server_state(request)
-    state.metrics.update(await state.engine.run(EngineSnapshot.of))
+    state.metrics.update(await state.backend.snapshot())
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)

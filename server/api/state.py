@@ -16,7 +16,6 @@ from server.api.config import ServerConfig
 from server.api.contexts import ContextStore
 from server.api.metrics import Metrics
 from server.api.tenancy import Tenancy
-from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
 
 
@@ -59,14 +58,14 @@ class EngineFacts:
 
 @dataclass(slots=True)
 class ServerState:
-    engine: AsyncEngine
+    backend: Any  # server.api.backend.Backend (which imports this module)
     config: ServerConfig
     facts: EngineFacts
     tenancy: Tenancy
     metrics: Metrics
     contexts: ContextStore
     created: int = field(default_factory=lambda: int(time.time()))
-    owns_engine: bool = False
+    owns_backend: bool = False
 
     @property
     def fingerprint(self) -> str:

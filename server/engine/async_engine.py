@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +36,7 @@ from server.engine.sequence import TokenEvent
 from server.prompt import Prompt
 
 T = TypeVar("T")
+log = logging.getLogger("agentshare.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,7 @@ class _Add:
     prompt: Prompt
     params: SamplingParams
     salt: str
+    prefix_codec: str | None
     sink: Callable[[TokenEvent], None]
     done: concurrent.futures.Future[None]
 
@@ -98,6 +101,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[_Add | _Cancel | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
         self._idle_wait = idle_wait
+        self._hooks: list[Callable[[EngineCore], None]] = []  # engine thread only
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="agentshare-engine", daemon=True)
         self._thread.start()
@@ -105,10 +109,12 @@ class AsyncEngine:
     # ---- caller side (event loop) ----------------------------------------------------------
 
     async def submit(
-        self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = ""
+        self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = "",
+        prefix_codec: str | None = None,
     ) -> EventStream:
         """Queue a request; raises the core's typed error for a bad one. Iterate the returned
-        stream for its events; closing it early cancels the request and frees its KV."""
+        stream for its events; closing it early cancels the request and frees its KV.
+        ``prefix_codec``: see :meth:`EngineCore.add_request`."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -116,7 +122,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(_Add(request_id, module, prompt, params, salt, sink, done))
+        self._send(_Add(request_id, module, prompt, params, salt, prefix_codec, sink, done))
         await asyncio.wrap_future(done)
         return EventStream(self, request_id, events)
 
@@ -158,6 +164,14 @@ class AsyncEngine:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._send(_Call(fn, done))
         return await asyncio.wrap_future(done)
+
+    async def add_step_hook(self, hook: Callable[[EngineCore], None]) -> None:
+        """Call ``hook(core)`` on the engine thread after every step and every batch of commands
+        (e.g. to ship KV blocks as they are committed), until :meth:`remove_step_hook`."""
+        await self.run(lambda core: self._hooks.append(hook))
+
+    async def remove_step_hook(self, hook: Callable[[EngineCore], None]) -> None:
+        await self.run(lambda core: hook in self._hooks and self._hooks.remove(hook))
 
     def close(self) -> None:
         """Stop the thread; requests still running end with a cancellation."""
@@ -202,6 +216,12 @@ class AsyncEngine:
             events = self.core.step() if self.core.has_work else []
             for event in events:
                 self._deliver(event)
+            for hook in list(self._hooks):
+                try:
+                    hook(self.core)
+                except Exception:  # a hook's bug must not stop the engine
+                    log.exception("step hook failed; removing it")
+                    self._hooks.remove(hook)
             idle = not events and self.core.stats.steps == steps
 
     def _wait_budget(self) -> float | None:
@@ -214,7 +234,8 @@ class AsyncEngine:
     def _handle(self, cmd: _Add | _Cancel | _Call) -> None:
         if isinstance(cmd, _Add):
             try:
-                self.core.add_request(cmd.request_id, cmd.module, cmd.prompt, cmd.params, salt=cmd.salt)
+                self.core.add_request(cmd.request_id, cmd.module, cmd.prompt, cmd.params, salt=cmd.salt,
+                                      prefix_codec=cmd.prefix_codec)
             except Exception as exc:
                 cmd.done.set_exception(exc)
                 return

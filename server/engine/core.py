@@ -117,6 +117,11 @@ class EngineCore:
                 assert m.weights is not None
                 self._full[name] = LlamaForward(m.weights, forward.rope)
 
+    @property
+    def base_name(self) -> str:
+        """The name the base model is served under (it computes every shared prefix)."""
+        return self._base_name
+
     def with_config(self, config: EngineConfig) -> EngineCore:
         """A new engine on the same model and modules, with its own empty KV pool."""
         return EngineCore(
@@ -127,9 +132,14 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = ""
+        self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = "",
+        prefix_codec: str | None = None,
     ) -> Sequence:
-        """Queue a request. Raises a typed error for anything that could never be served."""
+        """Queue a request. Raises a typed error for anything that could never be served.
+
+        ``prefix_codec`` names the lossy codec (e.g. ``"int8"``) its shared prefix crossed on the
+        way here: the request then reads (and writes) the family's blocks in that codec's lossy
+        namespace, never the exact ones (DESIGN §2)."""
         m = self.modules.get(module)
         if m is None:
             raise UnknownModule(module, list(self.modules))
@@ -143,7 +153,7 @@ class EngineCore:
             raise PromptTooLong(capacity, self.pool.capacity * self.config.block_size, what="the whole KV pool")
         if len(self.waiting) >= self.config.max_waiting:
             raise Overloaded(f"{len(self.waiting)} requests are already waiting; retry later")
-        ip, layout = self._layout(m, prompt, salt)
+        ip, layout = self._layout(m, prompt, salt, prefix_codec)
         self._refuse_if_pins_block(prompt, layout, capacity)
         seq = Sequence(
             request_id, m, self._lora_index.get(module, -1), prompt, ip, params, layout,
@@ -168,7 +178,9 @@ class EngineCore:
             raise Overloaded("pinned contexts fill the KV pool; release a context or retry after its TTL",
                              retry_after=wait, reason="kv_pool_pinned")
 
-    def _layout(self, m: DecodeModule, prompt: Prompt, salt: str) -> tuple[int, Layout]:
+    def _layout(
+        self, m: DecodeModule, prompt: Prompt, salt: str, prefix_codec: str | None = None
+    ) -> tuple[int, Layout]:
         """The invocation point and block namespaces of a request: DESIGN §2 in one place."""
         n = len(prompt.token_ids)
         if m.is_base:
@@ -179,17 +191,26 @@ class EngineCore:
             ip = 0  # private prefill: the module computes everything itself
         fam = self.family if self.config.share_prefill else f"{self.family}/{m.name}"
         family_ns = Namespace.family(fam, salt=salt)
+        if prefix_codec is not None and ip > 0:
+            family_ns = family_ns.lossy(prefix_codec)
         if m.is_base:
             return ip, Layout(family_ns)
         return ip, Layout(family_ns, Namespace.module(m.digest, invocation_point=ip, salt=salt))
 
-    def explain(self, module: str, prompt: Prompt, *, salt: str = "") -> PrefixMatch:
+    def prefix_layout(self, *, salt: str = "", prefix_codec: str | None = None) -> Layout:
+        """The layout of the family's shared blocks (positions before any module's IP): what a
+        prefill worker computes and a decode worker imports for every module of the family."""
+        return self._layout(self.modules[self._base_name], Prompt((0,), 1, 1, 1), salt, prefix_codec)[1]
+
+    def explain(
+        self, module: str, prompt: Prompt, *, salt: str = "", prefix_codec: str | None = None
+    ) -> PrefixMatch:
         """What the cache holds for this request right now (a pure query): how many of its
         full blocks would hit, and the index of the first that would not."""
         m = self.modules.get(module)
         if m is None:
             raise UnknownModule(module, list(self.modules))
-        _, layout = self._layout(m, prompt, salt)
+        _, layout = self._layout(m, prompt, salt, prefix_codec)
         return self.pool.match(list(prompt.token_ids), layout)
 
     def add_context(
@@ -241,6 +262,9 @@ class EngineCore:
         self._admit()
         events: list[TokenEvent] = []
         self._resolve_pending()
+        for seq in [s for s in self.running if s.pin_ttl is not None and not s.pending
+                    and s.num_computed == len(s.tokens)]:
+            events.append(self._pin_context(seq))  # a context found whole in the cache: nothing to compute
         work = self._schedule()
         if not work:
             return events
@@ -282,7 +306,7 @@ class EngineCore:
     def _reserve(self, seq: Sequence) -> bool:
         prompt, bs = list(seq.prompt.token_ids), self.config.block_size
         match = self.pool.match(prompt, seq.layout)
-        if match.num_cached_tokens >= len(prompt):  # compute at least the last prompt token
+        if match.num_cached_tokens >= len(prompt) and seq.pin_ttl is None:  # sample from a computed row
             ids = match.block_ids[:-1]
             match = PrefixMatch(match.keys, ids, tuple(b for b in match.pending if b in ids), bs)
         need = math.ceil(seq.capacity / bs) - len(match.block_ids)

@@ -7,6 +7,7 @@
      │    └── PromptTooLong    the prompt does not fit the model's context (HTTP 413)
      ├── UnknownModule         no decode module of that name (HTTP 404)
      ├── Overloaded            the KV pool or the queue is full: retry later (HTTP 429)
+     ├── Unavailable           no worker can serve it now (a cluster's workers are down) (HTTP 503)
      └── RequestCancelled      the request was cancelled (client gone)
 
 KV-level errors (``server.kv.errors``) stay inside the engine: it turns ``PoolExhausted`` into
@@ -47,6 +48,10 @@ class Overloaded(EngineError):
     def __init__(self, message: str, retry_after: float = 1.0, *, reason: str = "queue_full") -> None:
         self.retry_after, self.reason = retry_after, reason
         super().__init__(message)
+
+
+class Unavailable(EngineError):
+    """Nothing can serve the request right now (in a cluster: no live worker for it)."""
 
 
 class RequestCancelled(EngineError):

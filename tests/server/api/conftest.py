@@ -4,21 +4,18 @@ model with two LoRA agents of its family, one server per test module."""
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from server.api.app import create_app
 from server.api.config import ServerConfig
-from server.engine.async_engine import AsyncEngine
 from server.engine.build import load_engine
 from server.engine.core import EngineConfig, EngineCore
 from server.kv.family import family_digest
 from server.modules.manifest import LoraSpec, Manifest, ModuleKind
+from tests.server.helpers import running_server
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 AGENTS = ("coder", "planner")
@@ -63,30 +60,6 @@ def tiny_core(tiny_model_dir: Path, agent_dirs: dict[str, Path]) -> EngineCore:
     """The tiny base with two LoRA agents, fp32 (cores for servers are made with with_config)."""
     return load_engine(tiny_model_dir, modules=agent_dirs, dtype="float32",
                        config=EngineConfig(kv_cache_bytes=32 << 20))
-
-
-@contextlib.contextmanager
-def running_server(core: EngineCore, config: ServerConfig) -> Iterator[str]:
-    """Serve a fresh engine (own KV pool) on 127.0.0.1:<free port>; yields the base URL."""
-    import uvicorn
-
-    engine = AsyncEngine(core.with_config(config.engine_config()))
-    app = create_app(engine, config, owns_engine=True)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False,
-                                           lifespan="on", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, name="api-test-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,284 @@
+"""Start a cluster's processes: a worker, the router, or a whole local set.
+
+::
+
+    agentshare serve --disaggregated --prefill-workers 1 --decode-workers 2 --module coder=...
+        └─ LocalCluster: one `agentshare worker` process per worker, each told its threads
+           (and, when there are cores enough, its own cores); the router runs in this process
+    agentshare worker --role decode --port 8101 --module coder=... [--join http://router:8000]
+    agentshare router --worker http://host-a:8101 --worker http://host-b:8102
+
+Threads: ``cores // workers`` each (at least one), so the processes never oversubscribe the
+cores with OpenMP threads that spin against each other (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from server.api.config import ServerConfig
+from server.cluster.messages import Role
+from server.cluster.router import RouterConfig
+
+log = logging.getLogger("agentshare.cluster")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSpec:
+    """One worker process to start."""
+
+    role: Role
+    modules: Mapping[str, Path] = field(default_factory=dict)
+    threads: int = 1
+    cpus: tuple[int, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    port: int = 0  # 0: a free port
+
+
+def plan_workers(
+    prefill: int, decode: int, modules: Mapping[str, Path], *, threads: int | None = None, cores: int | None = None
+) -> list[WorkerSpec]:
+    """Prefill workers, then decode workers with the agents' modules dealt round-robin (every
+    decode worker also serves the base). Threads and cores are shared out without overlap.
+
+    >>> specs = plan_workers(1, 2, {"a": Path("/a"), "b": Path("/b"), "c": Path("/c")}, cores=2)
+    >>> [(s.role, sorted(s.modules), s.threads) for s in specs]
+    [('prefill', [], 1), ('decode', ['a', 'c'], 1), ('decode', ['b'], 1)]
+    """
+    if prefill < 0 or decode < 1:
+        raise ValueError("a cluster needs at least one decode worker and no negative counts")
+    cores = cores or len(os.sched_getaffinity(0))
+    n = prefill + decode
+    each = threads or max(1, cores // n)
+    own_cores = each * n <= cores  # pin each process to its own cores when they fit
+    specs: list[WorkerSpec] = []
+    names = list(modules)
+    for i in range(n):
+        role: Role = "prefill" if i < prefill else "decode"
+        mods = {m: modules[m] for j, m in enumerate(names) if role == "decode" and j % decode == i - prefill}
+        cpus = tuple(range(i * each, (i + 1) * each)) if own_cores else ()
+        specs.append(WorkerSpec(role=role, modules=mods, threads=each, cpus=cpus))
+    return specs
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class _Process:
+    spec: WorkerSpec
+    url: str
+    args: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
+
+
+class LocalCluster:
+    """Worker processes on this host. ``with LocalCluster(...) as cluster: cluster.urls``."""
+
+    def __init__(
+        self, specs: Sequence[WorkerSpec], config: ServerConfig, *, chunk_blocks: int = 32,
+        log_dir: Path | None = None, join: str | None = None,
+    ) -> None:
+        self.config, self.log_dir = config, log_dir
+        self._procs: list[_Process] = []
+        for i, spec in enumerate(specs):
+            port = spec.port or free_port(config.host)
+            url = f"http://{config.host}:{port}"
+            args = [sys.executable, "-m", "server.cli", "worker", "--role", spec.role, "--host", config.host,
+                    "--port", str(port), "--dtype", config.dtype, "--threads", str(spec.threads),
+                    "--kv-cache", str(config.kv_cache_bytes), "--chunk-blocks", str(chunk_blocks),
+                    "--max-step-tokens", str(config.max_step_tokens), "--log-level", config.log_level]
+            if config.model_dir is not None:
+                args += ["--model", str(config.model_dir)]
+            for name, path in spec.modules.items():
+                args += ["--module", f"{name}={path}"]
+            if spec.cpus:
+                args += ["--cpus", ",".join(map(str, spec.cpus))]
+            if join:
+                args += ["--join", join]
+            self._procs.append(_Process(spec, url, args))
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self._procs]
+
+    def start(self) -> None:
+        for i in range(len(self._procs)):
+            self.restart(i)
+
+    def restart(self, index: int, *, env: Mapping[str, str] | None = None) -> None:
+        """(Re)start worker ``index`` on its port: a worker that comes back rejoins the router.
+        ``env`` replaces the spec's extra environment from now on."""
+        p = self._procs[index]
+        if p.proc is not None and p.proc.poll() is None:
+            raise RuntimeError(f"worker {index} ({p.url}) is still running")
+        if env is not None:
+            p.spec = replace(p.spec, env=dict(env))
+        if p.log is not None:
+            p.log.close()
+        environ = {**os.environ, "OMP_NUM_THREADS": str(p.spec.threads), **p.spec.env}
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            p.log = open(self.log_dir / f"worker-{index}-{p.spec.role}.log", "ab")  # noqa: SIM115 (closed in stop)
+        p.proc = subprocess.Popen(p.args, env=environ, stdout=p.log, stderr=subprocess.STDOUT if p.log else None)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        for i, p in enumerate(self._procs):
+            while True:
+                if p.proc is not None and p.proc.poll() is not None:
+                    raise RuntimeError(f"worker {i} ({p.spec.role}) exited with {p.proc.returncode} while starting"
+                                       + (f"; see {self.log_dir}" if self.log_dir else ""))
+                try:
+                    if httpx.get(f"{p.url}/internal/info", timeout=2.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {i} at {p.url} not ready after {timeout:g} s")
+                time.sleep(0.2)
+
+    def kill(self, index: int) -> None:
+        """Kill worker ``index`` hard (SIGKILL), as a crash would."""
+        p = self._procs[index]
+        if p.proc is not None and p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(timeout=30)
+
+    def returncode(self, index: int) -> int | None:
+        p = self._procs[index].proc
+        return None if p is None else p.poll()
+
+    def stop(self) -> None:
+        for p in self._procs:
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        for p in self._procs:
+            if p.proc is not None:
+                try:
+                    p.proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.proc.kill()
+                    p.proc.wait()
+            if p.log is not None:
+                p.log.close()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---- process entry points ---------------------------------------------------------------------
+
+
+def serve_worker(
+    config: ServerConfig, *, role: Role, chunk_blocks: int = 32, cpus: Sequence[int] = (), join: str | None = None,
+    kv_port: int = 0, advertise: str | None = None,
+) -> None:
+    """Run one worker until interrupted (blocks)."""
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.api.logs import configure_logging
+    from server.cluster.worker import FaultPlan, Worker
+    from server.engine.async_engine import AsyncEngine
+    from server.engine.build import load_engine
+    from server.models.loader import default_model_dir
+
+    configure_logging(config.log_level)
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+    model_dir = config.model_dir or default_model_dir()
+    modules = config.modules if role == "decode" else {}
+    if role == "prefill" and config.modules:
+        raise ValueError("a prefill worker runs the base model only; give --module to decode workers")
+    core = load_engine(model_dir, modules=modules, dtype=config.dtype, threads=config.threads,
+                       config=config.engine_config(), base_name=config.base_name)
+    engine = AsyncEngine(core)
+    url = advertise or f"http://{config.host}:{config.port}"
+    worker = Worker(engine, role=role, url=url, threads=config.threads or 1, kv_host=config.host, kv_port=kv_port,
+                    chunk_blocks=chunk_blocks, faults=FaultPlan.parse(os.environ.get("AGENTSHARE_FAULT")),
+                    join=join)
+    log.info("worker", extra={"event": "worker", "role": role, "url": url, "agents": ",".join(core.modules),
+                              "threads": config.threads, "cpus": ",".join(map(str, cpus))})
+    app = create_app(engine, config, owns_engine=True, plugins=[worker])
+    uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
+                log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+
+
+def serve_router(config: ServerConfig, workers: Sequence[str], router: RouterConfig = RouterConfig()) -> None:
+    """Run the router (the public API) over running workers until interrupted (blocks)."""
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from server.api.app import create_app
+    from server.api.logs import configure_logging
+    from server.cluster.router import ClusterBackend
+    from server.models.loader import default_model_dir
+
+    configure_logging(config.log_level)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_dir or default_model_dir())
+    backend = ClusterBackend.connect([w.rstrip("/") for w in workers], tokenizer, router)
+    log.info("router", extra={"event": "router", "workers": ",".join(workers), "agents": ",".join(backend.facts.agents),
+                              "codec": router.codec.value, "transport": router.transport,
+                              "threshold": router.policy.threshold_tokens})
+    app = create_app(backend, config, owns_engine=True, plugins=[backend])
+    uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
+                log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+
+
+def serve_disaggregated(
+    config: ServerConfig, *, prefill: int, decode: int, router: RouterConfig = RouterConfig(),
+    threads: int | None = None, chunk_blocks: int = 32,
+) -> None:
+    """``agentshare serve --disaggregated``: start the workers here, then serve the router."""
+    specs = plan_workers(prefill, decode, config.modules, threads=threads)
+    for i, s in enumerate(specs):
+        log.info("plan", extra={"event": "plan", "worker": i, "role": s.role, "agents": ",".join(s.modules) or "base",
+                                "threads": s.threads, "cpus": ",".join(map(str, s.cpus)) or "shared"})
+    worker_config = ServerConfig(**{**_fields(config), "modules": {}, "threads": None})
+    cluster = LocalCluster(specs, worker_config, chunk_blocks=chunk_blocks)
+    with cluster, _router_threads(1):
+        serve_router(config, cluster.urls, router)
+
+
+@contextlib.contextmanager
+def _router_threads(n: int) -> Iterator[None]:
+    """The router computes nothing heavy: keep its torch (imported by the API) off the workers' cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _fields(config: ServerConfig) -> dict[str, object]:
+    return {name: getattr(config, name) for name in ServerConfig.__dataclass_fields__}

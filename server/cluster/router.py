@@ -1,0 +1,581 @@
+"""The router: the API's backend when prefill and decode run in other processes.
+
+Per request (``submit``), with the placement policies of :mod:`server.policy`::
+
+    card ─ IP ─▶ shared prefix = the full blocks before the IP (none for a foreign module)
+    lookup on the decode workers holding the agent's module, and on the prefill workers
+    place(request, cluster snapshot, offload policy)      ─▶ decode worker D, and
+        LOCAL  : D prefills the prefix itself (short incremental prefill, saturated link, ...)
+        REMOTE : D expects the blocks it lacks ─▶ prefill worker P computes (or finds) them and
+                 streams them to D; D's request waits on those blocks, not on the whole transfer
+    D /internal/generate ─▶ NDJSON events ─▶ the same TokenEvents the local engine yields
+
+Faults::
+
+    P dies or fails      the transfer breaks: D aborts the blocks not yet written, and the
+                         request waiting on them computes them itself (nothing lost, nothing
+                         unwritten served); the router aborts the expectation too, marks P down
+    D dies               before any token: the request is retried on another decode worker
+                         holding the module; after a token: it ends with an error event
+    any worker           a health loop polls ``/internal/stats``; a worker that answers again
+                         (restarted, or joining by URL from another host) rejoins
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter as Tally
+from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import torch
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from server.api.backend import CacheReport, EventSource
+from server.api.metrics import EngineSnapshot
+from server.api.state import AgentCard, EngineFacts
+from server.cluster.codec import Codec, is_lossy
+from server.cluster.messages import (
+    Cached,
+    Context,
+    Event,
+    Expect,
+    Expected,
+    Explain,
+    Generate,
+    Join,
+    Lookup,
+    Prefill,
+    Prefilled,
+    PromptFields,
+    RemoteError,
+    Report,
+    SamplingFields,
+    TransferRef,
+    WorkerInfo,
+    WorkerStats,
+)
+from server.engine.errors import InvalidRequest, Unavailable, UnknownModule
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import FinishReason, TokenEvent
+from server.policy import (
+    ClusterSnapshot,
+    LinkSnapshot,
+    OffloadPolicy,
+    RequestSnapshot,
+    Role,
+    WorkerSnapshot,
+    place,
+)
+from server.policy.offload import RouteDecision, Where
+from server.prompt import Placement, Prompt
+
+log = logging.getLogger("agentshare.cluster")
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterConfig:
+    """How the router places and moves work."""
+
+    policy: OffloadPolicy = OffloadPolicy(threshold_tokens=256)
+    codec: Codec = Codec.BF16
+    """Payload dtype of KV transfers; a lossy one (int8, or bf16 from an fp32 engine) puts the
+    moved blocks in the family's lossy namespace."""
+    transport: str = "shm"  # shm (same host) or tcp
+    health_interval: float = 0.5
+    connect_timeout: float = 120.0  # waiting for the workers at start-up
+    transfer_timeout: float = 60.0
+    prefill_tok_s: float = 1000.0  # until measured: prefill throughput of a worker, for estimates
+    link_bytes_s: float = 1e9  # until measured: bandwidth of a link
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("shm", "tcp"):
+            raise ValueError(f"transport must be shm or tcp, got {self.transport!r}")
+
+
+@dataclass(slots=True)
+class Member:
+    """One worker as the router sees it."""
+
+    id: int
+    url: str
+    info: WorkerInfo | None = None
+    alive: bool = False
+    stats: WorkerStats | None = None
+    queued_tokens: int = 0  # prefill work the router has sent and not seen finish
+    queued_bytes: int = 0  # KV on its way out of this (prefill) worker
+    link_bytes_s: float | None = None  # measured, EWMA
+
+    @property
+    def role(self) -> str | None:
+        return None if self.info is None else self.info.role
+
+    def serves(self, module: str) -> bool:
+        return self.info is not None and any(a.name == module for a in self.info.agents)
+
+
+class WorkerDown(Exception):
+    """A worker did not answer (connection refused or dropped)."""
+
+
+@dataclass(slots=True)
+class RouterStats:
+    decisions: Tally[str] = field(default_factory=Tally)  # prefill reason -> requests
+    retries: int = 0
+    transfer_failures: int = 0
+    workers_down: int = 0
+    rejoined: int = 0
+
+
+class ClusterBackend:
+    """A :class:`~server.api.backend.Backend` over prefill and decode worker processes, and an
+    app plugin (its membership routes and health loop)."""
+
+    def __init__(self, facts: EngineFacts, members: Sequence[Member], config: RouterConfig = RouterConfig()) -> None:
+        self.facts, self.config = facts, config
+        self.members = list(members)
+        self.stats = RouterStats()
+        self._ids = itertools.count(len(self.members))
+        self._requests = itertools.count(1)
+        self._client: httpx.AsyncClient | None = None
+        self._health: asyncio.Task[None] | None = None
+        self._transfers: set[asyncio.Task[None]] = set()
+        self._contexts: dict[str, Member] = {}
+        self.router = self._routes()
+
+    # ---- start-up ------------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, urls: Sequence[str], tokenizer: Any, config: RouterConfig = RouterConfig()) -> ClusterBackend:
+        """Wait (blocking, up to ``config.connect_timeout``) until every worker answers, check
+        that they serve one family, and build the API's facts from them."""
+        deadline = time.monotonic() + config.connect_timeout
+        infos: list[WorkerInfo] = []
+        with httpx.Client(timeout=5.0) as client:
+            for url in urls:
+                while True:
+                    try:
+                        infos.append(WorkerInfo.model_validate(client.get(f"{url}/internal/info").json()))
+                        break
+                    except (httpx.HTTPError, ValueError) as exc:
+                        if time.monotonic() > deadline:
+                            raise Unavailable(f"worker {url} did not come up within {config.connect_timeout:g} s: {exc}") from exc
+                        time.sleep(0.2)
+        members = [Member(i, url, info, alive=True) for i, (url, info) in enumerate(zip(urls, infos, strict=True))]
+        return cls(facts_of(infos, tokenizer), members, config)
+
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0))
+        self._health = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+        for task in list(self._transfers):
+            task.cancel()
+        await asyncio.gather(*self._transfers, *(t for t in [self._health] if t), return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
+
+    def close(self) -> None:
+        """Workers are separate processes with their own life (the launcher stops them)."""
+
+    # ---- the Backend ---------------------------------------------------------------------------
+
+    async def submit(
+        self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = ""
+    ) -> EventSource:
+        card = self.facts.agents.get(module)
+        if card is None:
+            raise UnknownModule(module, list(self.facts.agents))
+        tried: set[int] = set()
+
+        async def attempt() -> tuple[httpx.Response, Member]:
+            while True:
+                candidates = [m for m in self._alive("decode") if m.serves(module) and m.id not in tried]
+                if not candidates:
+                    raise Unavailable(f"no decode worker serving agent {module!r} is up; retry later")
+                member, prefix_codec = await self._route(request_id, card, prompt, salt, candidates)
+                try:
+                    return await self._generate(member, request_id, module, prompt, params, salt, prefix_codec), member
+                except WorkerDown as exc:
+                    self._down(member, exc)
+                    tried.add(member.id)
+                    self.stats.retries += 1
+
+        response, member = await attempt()
+        return ClusterStream(request_id, response, member, attempt, self._down, self.stats)
+
+    async def add_context(self, context_id: str, token_ids: SequenceOf[int], *, ttl: float, salt: str = "") -> TokenEvent:
+        """Pin the context on a prefill worker (the one every decode worker can fetch it from);
+        without one, on a decode worker."""
+        targets = self._alive("prefill") or self._alive("decode")
+        if not targets:
+            raise Unavailable("no worker is up; retry later")
+        member = min(targets, key=lambda m: m.queued_tokens)
+        body = Context(context_id=context_id, token_ids=list(token_ids), ttl=ttl, salt=salt)
+        event = Event.model_validate(await self._post(member, "/internal/contexts", body))
+        if event.finish_reason == FinishReason.PREFILLED.value:
+            self._contexts[context_id] = member
+        return event.event(context_id)
+
+    async def release_context(self, context_id: str) -> bool:
+        member = self._contexts.pop(context_id, None)
+        if member is None or not member.alive:
+            return False
+        assert self._client is not None
+        try:
+            r = await self._client.delete(f"{member.url}/internal/contexts/{context_id}")
+        except httpx.TransportError:
+            return False
+        return bool(r.json())
+
+    async def explain(self, module: str, prompt: Prompt, *, salt: str = "") -> CacheReport:
+        candidates = [m for m in self._alive("decode") if m.serves(module)]
+        if not candidates:
+            raise Unavailable(f"no decode worker serving agent {module!r} is up")
+        reports = await asyncio.gather(*(self._post(m, "/internal/explain", Explain(
+            module=module, prompt=PromptFields.of(prompt), salt=salt)) for m in candidates))
+        best = max((Report.model_validate(r) for r in reports), key=lambda r: r.cached_blocks)
+        return CacheReport(best.block_size, best.blocks, best.cached_blocks)
+
+    async def snapshot(self) -> EngineSnapshot:
+        stats = await asyncio.gather(*(self._stats(m) for m in self._alive()), return_exceptions=True)
+        total: dict[str, int] = {}
+        for s in stats:
+            if isinstance(s, WorkerStats):
+                for name in EngineSnapshot.__dataclass_fields__:
+                    total[name] = total.get(name, 0) + int(getattr(s, name, 0) or 0)
+        return EngineSnapshot(**total)
+
+    # ---- placement -----------------------------------------------------------------------------
+
+    async def _route(
+        self, request_id: str, card: AgentCard, prompt: Prompt, salt: str, candidates: list[Member]
+    ) -> tuple[Member, str | None]:
+        """Choose the decode worker and where its shared prefix comes from; start any transfer."""
+        bs = self.facts.block_size
+        prefix = list(prompt.token_ids[: invocation_point(card, prompt) // bs * bs]) if card.shares_prefill else []
+        lossy = self._lossy_codec()
+        prefill = self._alive("prefill") if prefix else []
+        looked = await asyncio.gather(*(self._lookup(m, prefix, salt) for m in candidates + prefill))
+        cached = dict(zip([m.id for m in candidates + prefill], looked, strict=True))
+        snapshot = ClusterSnapshot(
+            self.facts.family, self._kv_bytes_per_token(),
+            prefill=[self._snap(m, Role.PREFILL, cached[m.id]) for m in prefill],
+            decode=[self._snap(m, Role.DECODE, cached[m.id]) for m in candidates],
+            links=[LinkSnapshot(m.id, m.link_bytes_s or self.config.link_bytes_s, 0.0, m.queued_bytes)
+                   for m in prefill],
+        )
+        family = card.family if card.shares_prefill and prefix else None
+        decision = place(RequestSnapshot(next(self._requests), card.name, family, max(1, len(prefix))),
+                         snapshot, self.config.policy)
+        self.stats.decisions[decision.prefill.reason.value] += 1
+        member = next(m for m in candidates if m.id == decision.decode.worker_id)
+        if decision.prefill.where is not Where.REMOTE:
+            return member, None
+        assert decision.prefill.prefill_worker is not None
+        source = next(m for m in prefill if m.id == decision.prefill.prefill_worker.id)
+        await self._offload(request_id, member, source, prefix, salt, lossy, decision)
+        return member, lossy
+
+    async def _offload(
+        self, request_id: str, dest: Member, source: Member, prefix: list[int], salt: str, lossy: str | None,
+        decision: RouteDecision,
+    ) -> None:
+        """Have ``dest`` expect the prefix blocks it lacks and ``source`` compute and send them."""
+        tid = f"{request_id}/kv-{uuid.uuid4().hex[:8]}"
+        timeout = self.config.transfer_timeout
+        expected = Expected.model_validate(await self._post(dest, "/internal/kv/expect", Expect(
+            transfer_id=tid, token_ids=prefix, salt=salt, prefix_codec=lossy, timeout=timeout)))
+        if expected.num_blocks == 0:
+            return
+        assert dest.info is not None
+        order = Prefill(transfer_id=tid, token_ids=prefix[: (expected.first_block + expected.num_blocks) * self.facts.block_size],
+                        salt=salt, first_block=expected.first_block,
+                        destination=expected.address[self.config.transport], codec=self.config.codec.value)
+        nbytes = expected.num_blocks * self.facts.block_size * self._kv_bytes_per_token()
+        task = asyncio.create_task(self._run_transfer(source, dest, order, decision.prefill.compute_tokens, nbytes))
+        self._transfers.add(task)
+        task.add_done_callback(self._transfers.discard)
+
+    async def _run_transfer(self, source: Member, dest: Member, order: Prefill, tokens: int, nbytes: int) -> None:
+        source.queued_tokens += tokens
+        source.queued_bytes += nbytes
+        try:
+            done = Prefilled.model_validate(await self._post(source, "/internal/prefill", order,
+                                                             timeout=self.config.transfer_timeout))
+            if done.seconds > 0 and done.bytes:
+                rate = done.bytes / done.seconds
+                source.link_bytes_s = rate if source.link_bytes_s is None else 0.8 * source.link_bytes_s + 0.2 * rate
+        except Exception as exc:  # the decode side recomputes what did not arrive; say so, and tell it now
+            self.stats.transfer_failures += 1
+            if isinstance(exc, WorkerDown):
+                self._down(source, exc)
+            log.warning("transfer failed; the decode worker prefills locally",
+                        extra={"event": "transfer_failed", "transfer": order.transfer_id, "error": str(exc)})
+            try:
+                await self._post(dest, "/internal/kv/abort", TransferRef(transfer_id=order.transfer_id, reason=str(exc)))
+            except Exception:
+                pass  # it times the expectation out by itself
+        finally:
+            source.queued_tokens -= tokens
+            source.queued_bytes -= nbytes
+
+    def _snap(self, m: Member, role: Role, cached: Cached) -> WorkerSnapshot:
+        return WorkerSnapshot(m.id, role, self.facts.family, cached_tokens=cached.cached_tokens,
+                              queue_depth=cached.waiting, queued_tokens=m.queued_tokens, running=cached.running,
+                              occupancy=min(1.0, cached.occupancy), prefill_tok_s=self.config.prefill_tok_s)
+
+    def _lossy_codec(self) -> str | None:
+        """The lossy namespace moved blocks land in, or None when the codec is exact for our KV."""
+        return self.config.codec.value if is_lossy(self.config.codec, getattr(torch, self._kv_dtype())) else None
+
+    def _kv_dtype(self) -> str:
+        infos = [m.info for m in self.members if m.info is not None]
+        return infos[0].kv_dtype if infos else "float32"
+
+    def _kv_bytes_per_token(self) -> int:
+        infos = [m.info for m in self.members if m.info is not None]
+        return infos[0].kv_bytes_per_token if infos else 1
+
+    # ---- talking to workers --------------------------------------------------------------------
+
+    async def _generate(
+        self, member: Member, request_id: str, module: str, prompt: Prompt, params: SamplingParams, salt: str,
+        prefix_codec: str | None,
+    ) -> httpx.Response:
+        assert self._client is not None
+        body = Generate(request_id=request_id, module=module, prompt=PromptFields.of(prompt),
+                        params=SamplingFields.of(params), salt=salt, prefix_codec=prefix_codec)
+        request = self._client.build_request("POST", f"{member.url}/internal/generate", json=body.model_dump(),
+                                             timeout=httpx.Timeout(None, connect=2.0))
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise WorkerDown(f"{member.url}: {exc}") from exc
+        if response.status_code != 200:
+            await response.aread()
+            await response.aclose()
+            raise _remote(response)
+        return response
+
+    async def _lookup(self, member: Member, prefix: list[int], salt: str) -> Cached:
+        if not prefix:
+            s = member.stats
+            return Cached(cached_tokens=0, waiting=s.waiting if s else 0, running=s.running if s else 0)
+        try:
+            return Cached.model_validate(await self._post(member, "/internal/lookup", Lookup(token_ids=prefix, salt=salt)))
+        except WorkerDown as exc:
+            self._down(member, exc)
+            return Cached(cached_tokens=0, waiting=1 << 20)  # placed last; the next attempt skips it
+
+    async def _post(self, member: Member, path: str, body: Any, *, timeout: float | None = 30.0) -> Any:
+        assert self._client is not None
+        try:
+            r = await self._client.post(f"{member.url}{path}", json=body.model_dump(), timeout=timeout)
+        except httpx.TransportError as exc:
+            raise WorkerDown(f"{member.url}: {exc}") from exc
+        if r.status_code >= 400:
+            raise _remote(r)
+        return r.json() if r.content else None
+
+    async def _stats(self, member: Member) -> WorkerStats:
+        assert self._client is not None
+        try:
+            r = await self._client.get(f"{member.url}/internal/stats", timeout=2.0)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise WorkerDown(f"{member.url}: {exc}") from exc
+        return WorkerStats.model_validate(r.json())
+
+    # ---- membership ----------------------------------------------------------------------------
+
+    def _alive(self, role: str | None = None) -> list[Member]:
+        return [m for m in self.members if m.alive and (role is None or m.role == role)]
+
+    def _down(self, member: Member, exc: BaseException) -> None:
+        if member.alive:
+            member.alive = False
+            self.stats.workers_down += 1
+            log.warning("worker down", extra={"event": "worker_down", "worker": member.url, "error": str(exc)})
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(m) for m in list(self.members)))
+            await asyncio.sleep(self.config.health_interval)
+
+    async def _check(self, member: Member) -> None:
+        try:
+            member.stats = await self._stats(member)
+        except WorkerDown as exc:
+            self._down(member, exc)
+            return
+        if not member.alive:  # back (restarted, maybe with a new KV address): read it again
+            try:
+                await self._admit(member)
+            except (WorkerDown, InvalidRequest) as exc:
+                log.warning("worker refused", extra={"event": "worker_refused", "worker": member.url, "error": str(exc)})
+                return
+            self.stats.rejoined += 1
+            log.info("worker rejoined", extra={"event": "worker_rejoined", "worker": member.url})
+
+    async def _admit(self, member: Member) -> None:
+        assert self._client is not None
+        try:
+            info = WorkerInfo.model_validate((await self._client.get(f"{member.url}/internal/info", timeout=5.0)).json())
+        except httpx.HTTPError as exc:
+            raise WorkerDown(f"{member.url}: {exc}") from exc
+        if info.family != self.facts.family:
+            raise InvalidRequest(f"worker {member.url} serves family {info.family[:12]}, this cluster "
+                                 f"{self.facts.family[:12]}: a worker must run the cluster's base model and KV dtype")
+        if info.role == "decode":
+            unknown = [a.name for a in info.agents if a.name not in self.facts.agents]
+            if unknown:
+                raise InvalidRequest(f"worker {member.url} serves agents {unknown} the router does not know; "
+                                     "restart the router with them")
+        member.info, member.alive = info, True
+
+    async def join(self, url: str) -> WorkerInfo:
+        """Add a worker by URL (a worker on another host); idempotent."""
+        member = next((m for m in self.members if m.url == url), None)
+        if member is None:
+            member = Member(next(self._ids), url)
+            await self._admit(member)
+            self.members.append(member)
+            log.info("worker joined", extra={"event": "worker_joined", "worker": url, "role": member.role})
+        elif not member.alive:
+            await self._admit(member)
+        assert member.info is not None
+        return member.info
+
+    def _routes(self) -> APIRouter:
+        r = APIRouter(prefix="/internal", include_in_schema=False)
+
+        @r.post("/workers")
+        async def join(body: Join) -> Any:
+            try:
+                return await self.join(body.url.rstrip("/"))
+            except WorkerDown as exc:
+                return JSONResponse({"kind": "WorkerDown", "message": str(exc)}, status_code=502)
+            except InvalidRequest as exc:
+                return JSONResponse({"kind": "InvalidRequest", "message": str(exc)}, status_code=409)
+
+        @r.get("/cluster")
+        async def cluster() -> dict[str, Any]:
+            stats = await asyncio.gather(*(self._stats(m) for m in self.members), return_exceptions=True)
+            return {
+                "workers": [
+                    {"url": m.url, "role": m.role, "alive": m.alive,
+                     "agents": [a.name for a in m.info.agents] if m.info else [],
+                     "stats": s.model_dump() if isinstance(s, WorkerStats) else None}
+                    for m, s in zip(self.members, stats, strict=True)
+                ],
+                "decisions": dict(self.stats.decisions), "retries": self.stats.retries,
+                "transfer_failures": self.stats.transfer_failures, "workers_down": self.stats.workers_down,
+                "rejoined": self.stats.rejoined,
+            }
+
+        return r
+
+
+class ClusterStream:
+    """A request's events from its decode worker. Before the first token a dead worker is
+    replaced (the request is resubmitted elsewhere); after it, the request ends with an error."""
+
+    def __init__(
+        self, request_id: str, response: httpx.Response, member: Member,
+        resubmit: Callable[[], Any], down: Callable[[Member, BaseException], None], stats: RouterStats,
+    ) -> None:
+        self.request_id, self._response, self._member = request_id, response, member
+        self._resubmit, self._down, self._stats = resubmit, down, stats
+        self.finished = False
+        self._tokens = 0
+        self._lines: AsyncIterator[str] | None = None
+
+    def __aiter__(self) -> ClusterStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        while True:
+            if self._lines is None:
+                self._lines = self._response.aiter_lines()
+            try:
+                line = await anext(self._lines)
+            except (httpx.TransportError, StopAsyncIteration) as exc:
+                await self._response.aclose()
+                self._down(self._member, exc if isinstance(exc, httpx.TransportError) else WorkerDown("stream ended"))
+                if self._tokens == 0:  # nothing reached the client: run it elsewhere
+                    self._stats.retries += 1
+                    try:
+                        self._response, self._member = await self._resubmit()
+                    except Exception as err:
+                        self.finished = True
+                        return TokenEvent(self.request_id, None, "", finish_reason=FinishReason.ERROR,
+                                          error=f"no decode worker could finish the request: {err}")
+                    self._lines = None
+                    continue
+                self.finished = True
+                return TokenEvent(self.request_id, None, "", finish_reason=FinishReason.ERROR,
+                                  error=f"decode worker {self._member.url} failed after {self._tokens} tokens")
+            if not line:
+                continue
+            ev = Event.model_validate_json(line).event(self.request_id)
+            self._tokens += ev.token_id is not None
+            if ev.finish_reason is not None:
+                self.finished = True
+                await self._response.aclose()
+            return ev
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            asyncio.ensure_future(self._response.aclose())  # the worker sees the disconnect and frees the KV
+
+
+def invocation_point(card: AgentCard, prompt: Prompt) -> int:
+    """The engine's rule (``EngineCore._layout``) from the router's side: where the module's own
+    positions start. The base computes everything; a foreign module too (IP 0)."""
+    if card.kind == "base":
+        return len(prompt.token_ids)
+    if not card.shares_prefill:
+        return 0
+    return prompt.invocation_point(Placement(card.placement))
+
+
+def facts_of(infos: Sequence[WorkerInfo], tokenizer: Any) -> EngineFacts:
+    """The API's facts from the workers' own: one family, one block size, every decode agent."""
+    if not infos:
+        raise ValueError("a cluster needs at least one worker")
+    families = {i.family for i in infos}
+    if len(families) > 1:
+        raise InvalidRequest(f"workers serve different families {sorted(f[:12] for f in families)}: one cluster "
+                             "runs one base model in one KV dtype")
+    if not any(i.role == "decode" for i in infos):
+        raise InvalidRequest("a cluster needs at least one decode worker")
+    agents: dict[str, AgentCard] = {}
+    for info in infos:
+        if info.role != "decode":
+            continue
+        for a in info.agents:
+            card = AgentCard(a.name, a.kind, a.family, a.shares_prefill, a.placement, a.reason)
+            if agents.setdefault(a.name, card) != card:
+                raise InvalidRequest(f"agent {a.name!r} is served with different modules by different workers")
+    first = infos[0]
+    return EngineFacts(first.family, agents, tokenizer, first.block_size, min(i.max_context for i in infos))
+
+
+def _remote(response: httpx.Response) -> Exception:
+    try:
+        return RemoteError.model_validate(response.json()).exception()
+    except ValueError:
+        return RemoteError(kind="WorkerError", message=f"HTTP {response.status_code}: {response.text[:200]}").exception()

@@ -1,0 +1,171 @@
+"""The disaggregated server end to end: a router, one prefill worker and two decode workers as
+real processes on loopback (tiny model, fp32, one thread each), against the colocated server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from server.api.config import ServerConfig
+from server.engine.build import load_engine
+from server.engine.core import EngineConfig
+from tests.server.cluster.conftest import Running, specs_1p2d, start_cluster
+from tests.server.helpers import running_server
+
+DOC = "Shared notes: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))
+QUESTION = {"coder": "Write the code for item 4.", "planner": "Plan around item 9."}
+
+
+def chat(url: str, agent: str, doc: str, *, max_tokens: int = 10) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": agent, "temperature": 0, "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": doc}, {"role": "user", "content": QUESTION[agent]}]})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def both(url: str, doc: str) -> dict[str, dict[str, Any]]:
+    """Both agents at once (so the router sees two requests for one prefix together)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {a: pool.submit(chat, url, a, doc) for a in QUESTION}
+        return {a: f.result() for a, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model_dir: Path, agent_modules: dict[str, Path], worker_config: ServerConfig) -> Iterator[str]:
+    core = load_engine(tiny_model_dir, modules=agent_modules, dtype="float32", config=EngineConfig())
+    with running_server(core, worker_config) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def cluster(agent_modules, worker_config, tmp_path_factory) -> Iterator[Running]:
+    log_dir = tmp_path_factory.mktemp("cluster-logs")
+    with start_cluster(specs_1p2d(agent_modules), worker_config, log_dir,
+                       router_args=("--offload-threshold", "0", "--transfer-codec", "fp32")) as running:
+        try:
+            yield running
+        except BaseException:
+            print(running.logs())
+            raise
+
+
+def delta(after: list[dict], before: list[dict], key: str) -> list[int]:
+    return [a[key] - b[key] for a, b in zip(after, before, strict=True)]
+
+
+def test_outputs_equal_the_colocated_server_and_the_prefix_is_prefilled_once(cluster: Running, colocated: str):
+    before = cluster.stats()
+    got = both(cluster.url, DOC)
+    after = cluster.stats()
+    want = {a: chat(colocated, a, DOC) for a in QUESTION}
+    for agent in QUESTION:
+        assert got[agent]["choices"][0]["message"]["content"] == want[agent]["choices"][0]["message"]["content"]
+        for k in ("prompt_tokens", "completion_tokens"):
+            assert got[agent]["usage"][k] == want[agent]["usage"][k]
+    computed = delta(after, before, "prefill_tokens")
+    prefix = computed[0]
+    # the prefill worker computed the shared prefix once, for two agents on two decode workers
+    assert prefix >= 256 and prefix % 16 == 0
+    assert after[0]["exported_blocks"] - before[0]["exported_blocks"] == 2 * prefix // 16
+    # each decode worker computed only its own suffix: nothing fell back to a local prefill
+    for i in (1, 2):
+        assert delta(after, before, "prompt_tokens")[i] - computed[i] == prefix
+        assert after[i]["imported_blocks"] - before[i]["imported_blocks"] == prefix // 16
+        assert after[i]["transfers_failed"] == 0
+    # bytes: what the prefill worker sent is what the decode workers received (fp32 KV of the
+    # tiny model: 2 (K, V) x 3 layers x 2 heads x 64 x 4 bytes per token, plus framing)
+    sent = sum(link["bytes"] for link in after[0]["sent"].values())
+    received = sum(link["bytes"] for s in after[1:] for link in s["received"].values())
+    assert sent == received >= 2 * prefix * 3072
+
+
+def test_a_context_pinned_through_the_router_is_computed_once_for_every_agent(cluster: Running, colocated: str):
+    def run(url: str) -> dict[str, list[int]]:
+        ctx = httpx.post(f"{url}/v1/contexts", timeout=60, json={"text": DOC + " Context two."}).json()
+        out = {}
+        for agent in QUESTION:
+            r = httpx.post(f"{url}/v1/contexts/{ctx['id']}/generate", timeout=120, json={
+                "agent": agent, "text": QUESTION[agent], "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            out[agent] = r.json()["token_ids"]
+        assert httpx.delete(f"{url}/v1/contexts/{ctx['id']}", timeout=30).json()["released"]
+        return out
+
+    before = cluster.stats()
+    got = run(cluster.url)
+    after = cluster.stats()
+    assert got == run(colocated)
+    computed = delta(after, before, "prefill_tokens")
+    ctx_tokens = computed[0]  # the context, once, by the prefill worker (when it was pinned)
+    assert ctx_tokens > 256
+    for i in (1, 2):
+        assert after[i]["imported_blocks"] > before[i]["imported_blocks"]
+        assert computed[i] < delta(after, before, "prompt_tokens")[i] - 256
+
+
+def test_the_router_reports_its_workers_and_decisions(cluster: Running):
+    info = cluster.cluster()
+    assert [w["role"] for w in info["workers"]] == ["prefill", "decode", "decode"]
+    assert all(w["alive"] for w in info["workers"])
+    assert info["decisions"].get("offloaded", 0) >= 2
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert "agentshare_prefill_tokens_total" in metrics
+
+
+def test_a_decode_worker_killed_is_skipped_and_rejoins_when_back(cluster: Running):
+    cluster.workers.kill(2)  # the planner's only worker
+    r = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=60, json={
+        "model": "planner", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 503, r.text
+    assert "planner" in r.json()["error"]["message"]
+    assert chat(cluster.url, "coder", "Still serving. " + DOC)["choices"][0]["finish_reason"] in ("stop", "length")
+    assert not cluster.cluster()["workers"][2]["alive"]
+    cluster.workers.restart(2)
+    cluster.workers.wait_ready()
+    _until(lambda: cluster.cluster()["workers"][2]["alive"], "the restarted decode worker rejoins")
+    assert chat(cluster.url, "planner", DOC)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize(("fault", "check"), [
+    ("kill_after_chunks=1", "killed"),
+    ("corrupt_chunk=0", "corrupt"),
+])
+def test_a_failing_prefill_worker_loses_no_request(cluster: Running, colocated: str, fault: str, check: str):
+    """The prefill worker dies right after its first chunk, or sends a corrupted one: the
+    request completes (the decode worker prefills what is missing) with the colocated output."""
+    cluster.workers.kill(0)
+    cluster.workers.restart(0, env={"AGENTSHARE_FAULT": fault})
+    cluster.workers.wait_ready()
+    _until(lambda: cluster.cluster()["workers"][0]["alive"], "the prefill worker rejoins")
+    doc = f"Fault case {check}. " + DOC  # new from the first block: the whole prefix moves
+    before = cluster.stats()
+    got = chat(cluster.url, "coder", doc)
+    want = chat(colocated, "coder", doc)
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    d = cluster.stats()[1] if check == "corrupt" else httpx.get(f"{cluster.workers.urls[1]}/internal/stats").json()
+    assert d["transfers_failed"] > before[1]["transfers_failed"]
+    assert d["imported_blocks"] - before[1]["imported_blocks"] <= 2  # at most the first chunk was kept
+    if check == "killed":
+        assert cluster.workers.returncode(0) == 17
+    else:
+        assert d["checksum_failures"] > before[1]["checksum_failures"]
+    cluster.workers.kill(0)
+    cluster.workers.restart(0, env={})
+    cluster.workers.wait_ready()
+    _until(lambda: cluster.cluster()["workers"][0]["alive"], "the prefill worker rejoins")
+
+
+def _until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting until {what}")

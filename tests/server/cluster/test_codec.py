@@ -1,0 +1,297 @@
+"""The KV payload codec and the wire framing."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import struct
+import zlib
+
+import pytest
+import torch
+
+from server.cluster.codec import Codec, Frame, KVChunk, decode, encode, is_lossy
+from server.cluster.errors import CorruptPayload, ProtocolError, TransferClosed
+from server.cluster.wire import MAGIC, PREFIX, VERSION, read_frame, write_frame
+
+torch.set_num_threads(1)
+
+LAYERS, HEADS, DIM, BLOCK = 2, 2, 8, 4
+
+
+def kv(blocks: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> KVChunk:
+    g = torch.Generator().manual_seed(seed)
+    shape = (LAYERS, HEADS, blocks * BLOCK, DIM)
+    k = (torch.randn(shape, generator=g) * 3).to(dtype)
+    v = torch.randn(shape, generator=g).to(dtype)
+    return KVChunk(first_block=0, k=k, v=v)
+
+
+def roundtrip(chunk: KVChunk, codec: Codec, dtype: torch.dtype) -> KVChunk:
+    return decode(encode(chunk, codec, block_size=BLOCK), dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("source", "codec"),
+    [
+        (torch.float32, Codec.FP32),
+        (torch.bfloat16, Codec.BF16),
+        (torch.bfloat16, Codec.FP32),
+    ],
+)
+def test_lossless_codecs_round_trip_exactly(source: torch.dtype, codec: Codec) -> None:
+    chunk = kv(3, source)
+    back = roundtrip(chunk, codec, source)
+    assert back.first_block == 0 and back.k.dtype == source
+    assert torch.equal(back.k, chunk.k) and torch.equal(back.v, chunk.v)
+    assert back.k.is_contiguous() and back.v.is_contiguous()
+
+
+def test_decoded_tensors_own_their_memory() -> None:
+    frame = encode(kv(1), Codec.FP32, block_size=BLOCK)
+    back = decode(frame, dtype=torch.float32)
+    expected = back.k.clone()
+    frame.payload[:] = bytes(len(frame.payload))  # type: ignore[index]
+    assert torch.equal(back.k, expected)
+
+
+def test_bf16_codec_of_fp32_rounds_to_bf16() -> None:
+    chunk = kv(2)
+    back = roundtrip(chunk, Codec.BF16, torch.float32)
+    assert torch.equal(back.k, chunk.k.to(torch.bfloat16).float())
+
+
+def test_encode_accepts_non_contiguous_views() -> None:
+    chunk = kv(2)
+    strided = KVChunk(0, chunk.k.transpose(0, 1).contiguous().transpose(0, 1), chunk.v)
+    assert not strided.k.is_contiguous()
+    assert torch.equal(roundtrip(strided, Codec.FP32, torch.float32).k, chunk.k)
+
+
+def test_int8_error_within_half_a_scale() -> None:
+    chunk = kv(4)
+    frame = encode(chunk, Codec.INT8, block_size=BLOCK)
+    back = decode(frame, dtype=torch.float32)
+    blocks = 4
+    # K: one scale per (layer, head, block, channel) = absmax over the block's tokens / 127
+    k = chunk.k.view(LAYERS, HEADS, blocks, BLOCK, DIM)
+    k_scale = k.abs().amax(dim=3, keepdim=True) / 127
+    k_err = (back.k.view_as(k) - k).abs()
+    # the stored fp16 scale is rounded up: at most one fp16 ulp (2**-10 relative) larger
+    assert bool((k_err <= k_scale / 2 * (1 + 2**-9) + 1e-7).all()), k_err.max()
+    # V: one scale per (layer, head, token) = absmax over head_dim / 127
+    v_scale = chunk.v.abs().amax(dim=3, keepdim=True) / 127
+    v_err = (back.v - chunk.v).abs()
+    assert bool((v_err <= v_scale / 2 * (1 + 2**-9) + 1e-7).all()), v_err.max()
+    assert back.k.abs().max() > 0  # not trivially zero
+
+
+def test_int8_blocks_are_quantised_independently() -> None:
+    chunk = kv(4, torch.bfloat16)
+    together = roundtrip(chunk, Codec.INT8, torch.bfloat16)
+    for b in range(4):
+        s = slice(b * BLOCK, (b + 1) * BLOCK)
+        alone = KVChunk(first_block=b, k=chunk.k[:, :, s], v=chunk.v[:, :, s])
+        back = roundtrip(alone, Codec.INT8, torch.bfloat16)
+        assert back.first_block == b
+        assert torch.equal(back.k, together.k[:, :, s]) and torch.equal(back.v, together.v[:, :, s])
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_all_zero_blocks_decode_to_zeros(codec: Codec) -> None:
+    chunk = kv(3)
+    chunk.k[:, :, BLOCK : 2 * BLOCK] = 0  # a whole block of K
+    chunk.v[:, :, 5] = 0  # one token of V
+    back = roundtrip(chunk, codec, torch.float32)
+    assert not back.k.isnan().any() and not back.v.isnan().any()
+    assert bool((back.k[:, :, BLOCK : 2 * BLOCK] == 0).all()) and bool((back.v[:, :, 5] == 0).all())
+    zeros = KVChunk(
+        0, torch.zeros(LAYERS, HEADS, BLOCK, DIM), torch.zeros(LAYERS, HEADS, BLOCK, DIM)
+    )
+    back = roundtrip(zeros, codec, torch.float32)
+    assert bool((back.k == 0).all()) and bool((back.v == 0).all())
+
+
+def test_int8_saturates_beyond_the_fp16_scale_range_and_rejects_nan() -> None:
+    chunk = kv(1)
+    chunk.k[0, 0, 0, 0] = 1e7  # scale 1e7/127 > fp16 max: clamped, the code saturates
+    back = roundtrip(chunk, Codec.INT8, torch.float32)
+    assert back.k[0, 0, 0, 0] == pytest.approx(127 * 65504)
+    chunk.v[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        encode(chunk, Codec.INT8, block_size=BLOCK)
+
+
+def test_int8_payload_is_about_half_of_bf16() -> None:
+    chunk = kv(4)
+    bf16 = len(encode(chunk, Codec.BF16, block_size=BLOCK).payload)
+    int8 = len(encode(chunk, Codec.INT8, block_size=BLOCK).payload)
+    # codes: half of bf16; K scales: 2 bytes per channel per block; V scales: 2 bytes per token
+    assert int8 == bf16 // 2 + 2 * LAYERS * HEADS * (4 * DIM + 4 * BLOCK)
+
+
+def test_flipped_payload_byte_is_corrupt() -> None:
+    frame = encode(kv(2), Codec.INT8, block_size=BLOCK)
+    frame.payload[17] ^= 0x40  # type: ignore[index]
+    with pytest.raises(CorruptPayload, match="checksum mismatch"):
+        decode(frame, dtype=torch.float32)
+
+
+def test_crc_is_checked_before_the_header() -> None:
+    frame = encode(kv(2), Codec.FP32, block_size=BLOCK)
+    frame.payload[0] ^= 1  # type: ignore[index]
+    frame.header["num_layers"] = "many"
+    with pytest.raises(CorruptPayload):
+        decode(frame, dtype=torch.float32)
+
+
+def tampered(change: dict, *, codec: Codec = Codec.INT8) -> Frame:
+    frame = encode(kv(2), codec, block_size=BLOCK)
+    header = copy.deepcopy(frame.header)
+    for key, value in change.items():
+        if value is None:
+            del header[key]
+        else:
+            header[key] = value
+    return Frame(header, frame.payload)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_layers": 3}, "sections"),  # wrong shape
+        ({"head_dim": 4}, "sections"),
+        ({"num_blocks": 2.0}, "must be an integer"),
+        ({"block_size": True}, "must be an integer"),
+        ({"first_block": -1}, "must be >= 0"),
+        ({"num_kv_heads": 0}, "must be >= 1"),
+        ({"codec": "fp8"}, "unknown codec"),
+        ({"codec": "bf16"}, "sections"),
+        ({"kind": "end"}, "expected a 'kv' frame"),
+        ({"crc32": "abc"}, "crc32"),
+        ({"crc32": None}, "crc32"),
+        ({"sections": {"k": [0, 1]}}, "sections"),
+        ({"sections": None}, "sections"),
+    ],
+)
+def test_tampered_header_is_a_protocol_error(change: dict, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        decode(tampered(change), dtype=torch.float32)
+
+
+def test_payload_length_must_match_the_shape() -> None:
+    frame = encode(kv(2), Codec.BF16, block_size=BLOCK)
+    short = bytes(frame.payload[:-2])
+    header = {**frame.header, "crc32": zlib.crc32(short)}
+    with pytest.raises(ProtocolError, match="the frame carries"):
+        decode(Frame(header, short), dtype=torch.float32)
+
+
+def test_read_only_payload_decodes_without_warning(recwarn: pytest.WarningsRecorder) -> None:
+    chunk = kv(1)
+    frame = encode(chunk, Codec.BF16, block_size=BLOCK)
+    back = decode(Frame(frame.header, bytes(frame.payload)), dtype=torch.float32)
+    assert torch.equal(back.v, chunk.v.to(torch.bfloat16).float())
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("k_shape", "block_size", "message"),
+    [((2, 2, 6, 8), 4, "multiple"), ((2, 6, 8), 2, r"\[layers"), ((2, 2, 0, 8), 4, "multiple")],
+)
+def test_encode_rejects_bad_chunks(k_shape: tuple, block_size: int, message: str) -> None:
+    k = torch.zeros(k_shape)
+    with pytest.raises(ValueError, match=message):
+        encode(KVChunk(0, k, k), Codec.FP32, block_size=block_size)
+
+
+def test_is_lossy_table() -> None:
+    assert not is_lossy(Codec.FP32, torch.float32)
+    assert not is_lossy(Codec.FP32, torch.bfloat16)
+    assert not is_lossy(Codec.BF16, torch.bfloat16)
+    assert is_lossy(Codec.BF16, torch.float32)
+    assert is_lossy(Codec.INT8, torch.float32) and is_lossy(Codec.INT8, torch.bfloat16)
+    assert is_lossy(Codec("bf16"), torch.float16)
+
+
+# -- wire ------------------------------------------------------------------------------------
+
+
+async def parse(data: bytes, **limits: int) -> Frame:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return await read_frame(reader, **limits)
+
+
+def raw_frame(
+    header: bytes, payload: bytes = b"", *, magic: bytes = MAGIC, version: int = VERSION
+) -> bytes:
+    return PREFIX.pack(magic, version, len(header), len(payload)) + header + payload
+
+
+def test_wire_round_trip_over_a_socket() -> None:
+    frame = encode(kv(2), Codec.INT8, block_size=BLOCK)
+
+    async def main() -> tuple[Frame, int]:
+        got: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            got.set_result(await read_frame(reader))
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        _, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        written = await write_frame(writer, frame)
+        received = await asyncio.wait_for(got, 5)
+        writer.close()
+        server.close()
+        return received, written
+
+    received, written = asyncio.run(main())
+    assert received.header == frame.header and received.payload == frame.payload
+    header_len = len(json.dumps(frame.header, separators=(",", ":")))
+    assert written == PREFIX.size + header_len + len(frame.payload)
+    assert torch.equal(
+        decode(received, dtype=torch.float32).k, roundtrip(kv(2), Codec.INT8, torch.float32).k
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (raw_frame(b"{}", magic=b"HTTP"), "bad magic"),
+        (raw_frame(b"{}", version=2), "version 2"),
+        (raw_frame(b"{" * 64), "header of 64 bytes exceeds"),
+        (raw_frame(b"{not json"), "not valid UTF-8 JSON"),
+        (raw_frame(b"\xff\xfe"), "not valid UTF-8 JSON"),
+        (raw_frame(b"[1, 2]"), "must be a JSON object"),
+        (PREFIX.pack(MAGIC, VERSION, 2, 1 << 40) + b"{}", "payload of 1099511627776 bytes"),
+    ],
+)
+def test_bad_frames_are_protocol_errors(data: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        asyncio.run(parse(data, max_header=32))
+
+
+@pytest.mark.parametrize("cut", [0, 3, PREFIX.size + 2, PREFIX.size + 11])
+def test_truncated_stream_is_transfer_closed(cut: int) -> None:
+    data = raw_frame(b'{"kind":"x"}', b"payload")
+    with pytest.raises(TransferClosed):
+        asyncio.run(parse(data[:cut]))
+
+
+def test_write_frame_rejects_a_non_json_header() -> None:
+    async def main() -> None:
+        await write_frame(None, Frame({"x": float("nan")}))  # type: ignore[arg-type]
+
+    with pytest.raises(ProtocolError, match="JSON-safe"):
+        asyncio.run(main())
+
+
+def test_prefix_layout_is_17_little_endian_bytes() -> None:
+    assert PREFIX.size == 17
+    assert PREFIX.pack(MAGIC, 1, 2, 3) == MAGIC + b"\x01" + struct.pack("<I", 2) + struct.pack(
+        "<Q", 3
+    )
