@@ -51,6 +51,8 @@ def create_app(
     backend: Backend = LocalBackend(engine) if isinstance(engine, AsyncEngine) else engine
     facts = backend.facts
     metrics = Metrics()
+    if (collector := getattr(backend, "collector", None)) is not None:
+        metrics.registry.register(collector)  # a backend's own figures (the router's decisions)
     contexts = ContextStore(backend, metrics, facts.tokenizer)
     state = ServerState(backend, config, facts, Tenancy(config.api_keys), metrics, contexts, owns_backend=owns_engine)
 

@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from collections import Counter as Tally
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,8 @@ from typing import Any
 import httpx
 import torch
 from fastapi import APIRouter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from fastapi.responses import JSONResponse
 
 from server.api.backend import CacheReport, EventSource
@@ -136,10 +138,15 @@ class RouterStats:
 
 class ClusterBackend:
     """A :class:`~server.api.backend.Backend` over prefill and decode worker processes, and an
-    app plugin (its membership routes and health loop)."""
+    app plugin (its membership routes and health loop). ``collector`` adds the router's own
+    figures to the app's Prometheus metrics."""
 
-    def __init__(self, facts: EngineFacts, members: Sequence[Member], config: RouterConfig = RouterConfig()) -> None:
-        self.facts, self.config = facts, config
+    def __init__(
+        self, facts: EngineFacts, members: Sequence[Member], config: RouterConfig = RouterConfig(), *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """``transport``: how to reach the workers (default: the network; tests pass a mock)."""
+        self.facts, self.config, self._transport = facts, config, transport
         self.members = list(members)
         self.stats = RouterStats()
         self._ids = itertools.count(len(self.members))
@@ -149,6 +156,7 @@ class ClusterBackend:
         self._transfers: set[asyncio.Task[None]] = set()
         self._contexts: dict[str, Member] = {}
         self.router = self._routes()
+        self.collector = _RouterCollector(self)
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -172,7 +180,7 @@ class ClusterBackend:
         return cls(facts_of(infos, tokenizer), members, config)
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0))
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0), transport=self._transport)
         self._health = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
@@ -579,3 +587,39 @@ def _remote(response: httpx.Response) -> Exception:
         return RemoteError.model_validate(response.json()).exception()
     except ValueError:
         return RemoteError(kind="WorkerError", message=f"HTTP {response.status_code}: {response.text[:200]}").exception()
+
+
+class _RouterCollector(Collector):
+    """Routing decisions by reason, KV moved between workers, workers up and down.
+
+    KV figures are the workers' own counters as of the last health check (at most
+    ``health_interval`` old)."""
+
+    def __init__(self, backend: ClusterBackend) -> None:
+        self.backend = backend
+
+    def collect(self) -> Iterator[Metric]:
+        b = self.backend
+        decisions = CounterMetricFamily("agentshare_route_decisions", "Requests routed, by where their shared "
+                                        "prefix was prefilled and why (server.policy PrefillReason)", labels=["reason"])
+        for reason, n in sorted(b.stats.decisions.items()):
+            decisions.add_metric([reason], n)
+        yield decisions
+        moved = CounterMetricFamily("agentshare_kv_transfer_bytes", "KV bytes sent by prefill workers", labels=["link"])
+        seconds = CounterMetricFamily("agentshare_kv_transfer_seconds", "Time moving KV", labels=["link"])
+        for m in b.members:
+            if m.stats is not None:
+                for link, fig in m.stats.sent.items():
+                    moved.add_metric([f"{m.url}->{link}"], fig.bytes)
+                    seconds.add_metric([f"{m.url}->{link}"], fig.seconds)
+        yield moved
+        yield seconds
+        yield CounterMetricFamily("agentshare_kv_transfer_failures", "Transfers that failed (recomputed by the "
+                                  "decode worker)", value=b.stats.transfer_failures)
+        yield CounterMetricFamily("agentshare_route_retries", "Requests moved to another decode worker",
+                                  value=b.stats.retries)
+        workers = GaugeMetricFamily("agentshare_workers", "Workers by role and state", labels=["role", "state"])
+        for role in ("prefill", "decode"):
+            for state, alive in (("up", True), ("down", False)):
+                workers.add_metric([role, state], sum(1 for m in b.members if m.role == role and m.alive is alive))
+        yield workers

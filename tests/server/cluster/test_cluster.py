@@ -48,7 +48,7 @@ def colocated(tiny_model_dir: Path, agent_modules: dict[str, Path], worker_confi
 def cluster(agent_modules, worker_config, tmp_path_factory) -> Iterator[Running]:
     log_dir = tmp_path_factory.mktemp("cluster-logs")
     with start_cluster(specs_1p2d(agent_modules), worker_config, log_dir,
-                       router_args=("--offload-threshold", "0", "--transfer-codec", "fp32")) as running:
+                       router_args=("--offload-threshold", "64", "--transfer-codec", "fp32")) as running:
         try:
             yield running
         except BaseException:
@@ -117,6 +117,30 @@ def test_the_router_reports_its_workers_and_decisions(cluster: Running):
     assert info["decisions"].get("offloaded", 0) >= 2
     metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     assert "agentshare_prefill_tokens_total" in metrics
+
+
+def test_the_router_keeps_a_short_prefill_local_and_offloads_a_long_one(cluster: Running):
+    """The placement policy (server.policy.place) in the real router: a prefix whose incremental
+    prefill is under the threshold (64 tokens here) is computed by the decode worker itself;
+    a long one is offloaded to the prefill worker and moved."""
+    decisions = cluster.cluster()["decisions"]
+    before = cluster.stats()
+    chat(cluster.url, "coder", "A short note.")
+    mid = cluster.stats()
+    assert mid[0]["prefill_tokens"] == before[0]["prefill_tokens"]  # the prefill worker did nothing
+    assert mid[0]["exported_blocks"] == before[0]["exported_blocks"]
+    assert mid[1]["imported_blocks"] == before[1]["imported_blocks"]
+    assert mid[1]["prefill_tokens"] > before[1]["prefill_tokens"]
+    chat(cluster.url, "coder", "A long note. " + DOC)
+    after = cluster.stats()
+    assert after[0]["prefill_tokens"] - mid[0]["prefill_tokens"] >= 256
+    assert after[1]["imported_blocks"] - mid[1]["imported_blocks"] >= 16
+    now = cluster.cluster()["decisions"]
+    assert now.get("below_threshold", 0) == decisions.get("below_threshold", 0) + 1
+    assert now.get("offloaded", 0) == decisions.get("offloaded", 0) + 1
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert f'agentshare_route_decisions_total{{reason="offloaded"}} {now["offloaded"]}.0' in metrics
+    assert 'agentshare_workers{role="decode",state="up"} 2.0' in metrics
 
 
 def test_a_decode_worker_killed_is_skipped_and_rejoins_when_back(cluster: Running):

@@ -1,0 +1,138 @@
+"""The router's fault handling against scripted workers (an in-process httpx transport): which
+decode worker a request lands on when one dies before, or after, its first token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from agentshare.protocol import AgentInfo
+from server.api.state import AgentCard, EngineFacts
+from server.cluster.messages import WorkerInfo, WorkerStats
+from server.cluster.router import ClusterBackend, Member, RouterConfig, facts_of
+from server.engine.errors import InvalidRequest, Unavailable
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import FinishReason
+from server.prompt import Prompt
+
+PROMPT = Prompt((1, 2, 3, 4, 5), 0, 0, 5)  # no full block before the IP: nothing to offload
+CODER = AgentInfo(name="coder", kind="lora", family="fam", shares_prefill=True, placement="turn")
+
+
+def info(url: str, role: str = "decode", family: str = "fam", agents: tuple[AgentInfo, ...] = (CODER,)) -> WorkerInfo:
+    return WorkerInfo(role=role, url=url, family=family, agents=list(agents), block_size=16, max_context=4096,
+                      kv_dtype="float32", kv_bytes_per_token=3072, threads=1, pid=1)
+
+
+def lines(*events: dict) -> bytes:
+    return b"".join(json.dumps(e).encode() + b"\n" for e in events)
+
+
+TOKEN = {"token_id": 7, "text": "x"}
+END = {"token_id": 8, "text": "y", "finish_reason": "length", "usage": [5, 0, 2]}
+
+
+class Broken(httpx.AsyncByteStream):
+    """A response body that sends ``head`` and then loses the connection."""
+
+    def __init__(self, head: bytes = b"") -> None:
+        self.head = head
+
+    async def __aiter__(self):
+        if self.head:
+            yield self.head
+        raise httpx.ReadError("connection reset by peer")
+
+
+def backend(handler: Callable[[httpx.Request], httpx.Response]) -> ClusterBackend:
+    members = [Member(0, "http://d1", info("http://d1"), alive=True), Member(1, "http://d2", info("http://d2"), alive=True)]
+    facts = EngineFacts("fam", {"coder": AgentCard("coder", "lora", "fam", True)}, None, 16, 4096)
+    return ClusterBackend(facts, members, RouterConfig(health_interval=3600), transport=httpx.MockTransport(handler))
+
+
+async def run(b: ClusterBackend) -> tuple[list, list[str]]:
+    await b.start()
+    try:
+        stream = await b.submit("r1", "coder", PROMPT, SamplingParams(max_tokens=2))
+        events = [ev async for ev in stream]
+        return events, [m.url for m in b.members if m.alive]
+    finally:
+        await b.stop()
+
+
+def test_a_decode_worker_that_refuses_connections_is_skipped():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "d1":
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, content=lines(TOKEN, END))
+
+    b = backend(handler)
+    events, alive = asyncio.run(run(b))
+    assert [e.token_id for e in events] == [7, 8] and events[-1].finish_reason is FinishReason.LENGTH
+    assert alive == ["http://d2"] and b.stats.retries == 1
+
+
+def test_a_decode_worker_that_dies_before_its_first_token_is_replaced():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "d1":
+            return httpx.Response(200, stream=Broken())
+        return httpx.Response(200, content=lines(TOKEN, END))
+
+    b = backend(handler)
+    events, alive = asyncio.run(run(b))
+    assert [e.token_id for e in events] == [7, 8]
+    assert alive == ["http://d2"]
+
+
+def test_a_decode_worker_that_dies_after_a_token_ends_the_request_with_an_error():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=Broken(lines(TOKEN)))
+
+    events, _ = asyncio.run(run(backend(handler)))
+    assert [e.token_id for e in events] == [7, None]
+    assert events[-1].finish_reason is FinishReason.ERROR and "after 1 tokens" in (events[-1].error or "")
+
+
+def test_no_live_decode_worker_for_the_agent_is_a_clear_503():
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+
+    with pytest.raises(Unavailable, match="no decode worker serving agent 'coder'"):
+        asyncio.run(run(backend(handler)))
+
+
+def test_an_engine_error_on_the_worker_is_raised_as_the_same_type():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(422, json={"kind": "InvalidRequest", "message": "top_p must be in (0, 1]"})
+
+    with pytest.raises(InvalidRequest, match="top_p"):
+        asyncio.run(run(backend(handler)))
+
+
+def test_workers_of_another_family_cannot_form_a_cluster():
+    with pytest.raises(InvalidRequest, match="different families"):
+        facts_of([info("http://d1"), info("http://p1", role="prefill", family="other")], tokenizer=None)
+    with pytest.raises(InvalidRequest, match="at least one decode worker"):
+        facts_of([info("http://p1", role="prefill", agents=())], tokenizer=None)
+
+
+def test_a_joining_worker_of_another_family_is_refused():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/info":
+            return httpx.Response(200, json=info("http://x", family="other").model_dump())
+        return httpx.Response(200, json=WorkerStats(role="decode").model_dump())
+
+    async def join() -> None:
+        b = backend(handler)
+        await b.start()
+        try:
+            await b.join("http://x")
+        finally:
+            await b.stop()
+
+    with pytest.raises(InvalidRequest, match="serves family"):
+        asyncio.run(join())
