@@ -5,9 +5,13 @@ next one starts (one server set at a time)::
 
     colocated         serve --threads T, the 3 agents in one engine (shared prefill in-process)
     disagg-bf16-shm   serve --disaggregated: 1 prefill + 3 decode workers (one agent each), the
-                      router in the parent; bf16 KV over shared memory, default offload threshold
-    disagg-int8-shm   the same with int8 transfers (lossy namespace)       (optional, --arms)
-    disagg-bf16-tcp   the same over TCP                                    (optional, --arms)
+                      router in the parent; bf16 KV over shared memory, the CLI's offload policy
+                      (threshold 256 tokens, bandwidth-aware: it may keep a prefill local)
+    disagg-bf16-shm-always   the same, but the router's policy is not bandwidth-aware, so every
+                      shared prefix above the threshold is offloaded to the prefill worker (the
+                      CLI has no switch for that; this arm patches ``server.cli._router_config``
+                      in the serve process)
+    disagg-{bf16,int8}-{shm,tcp}[-always]   the other codecs and transports (optional, --arms)
 
 The workload: T tasks; each task is a fresh shared context of ~C tokens (generated incident
 records, distinct per task) and 3 agents (agent0..2) asking their own question over it with OUT
@@ -71,13 +75,23 @@ from server.prompt import chat_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 N_AGENTS = 3
-ARMS = {
+ARMS: dict[str, tuple[str, str, bool] | None] = {  # codec, transport, always offload
     "colocated": None,
-    "disagg-bf16-shm": ("bf16", "shm"),
-    "disagg-int8-shm": ("int8", "shm"),
-    "disagg-bf16-tcp": ("bf16", "tcp"),
-    "disagg-int8-tcp": ("int8", "tcp"),
+    **{f"disagg-{c}-{t}{'-always' if a else ''}": (c, t, a)
+       for a in (False, True) for t in ("shm", "tcp") for c in ("bf16", "int8")},
 }
+# ``serve`` with the router's offload policy not bandwidth-aware: every prefix above the
+# threshold goes to the prefill worker (the CLI has no switch for it; the policy's own is used)
+ALWAYS_OFFLOAD = """
+import server.cli as cli
+from server.cluster.codec import Codec
+from server.cluster.router import RouterConfig
+from server.policy import OffloadPolicy
+cli._router_config = lambda codec, transport, threshold: RouterConfig(
+    codec=Codec(codec), transport=transport,
+    policy=OffloadPolicy(threshold_tokens=threshold, bandwidth_aware=False))
+cli.app()
+"""
 QUESTIONS = (
     "Which services failed most often in the records above? Answer with a short list.",
     "For the incidents above, name the region with the most high-severity tickets and say why.",
@@ -234,16 +248,17 @@ async def run_tasks(url: str, tasks: list[Task], out: int, inflight: int) -> tup
 class Server:
     """One ``agentshare serve`` (and, disaggregated, its worker children) in its own process group."""
 
-    def __init__(self, args: list[str], port: int, log_path: Path) -> None:
+    def __init__(self, args: list[str], port: int, log_path: Path, *, always_offload: bool = False) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
+        entry = ["-c", ALWAYS_OFFLOAD] if always_offload else ["-m", "server.cli"]
+        self.proc = subprocess.Popen([sys.executable, *entry, "serve", "--port", str(port), *args],
                                      cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self.pgid = self.proc.pid
-        self.stray: list[str] = []
+        self.stray: list[str] = []  # "pid command" of what outlived the SIGTERM
 
     def wait_ready(self, timeout: float) -> float:
         t0 = time.monotonic()
@@ -300,7 +315,7 @@ def server_args(arm: str, model_dir: Path, modules: dict[str, Path], args: argpa
     spec = ARMS[arm]
     if spec is None:
         return [*common, "--threads", str(args.threads)]
-    codec, transport = spec
+    codec, transport, _ = spec
     out = [*common, "--disaggregated", "--prefill-workers", "1", "--decode-workers", str(N_AGENTS),
            "--transfer-codec", codec, "--transport", transport]
     if args.offload_threshold is not None:
@@ -356,7 +371,7 @@ def counter_delta(before: dict[str, Any], after: dict[str, Any], disaggregated: 
             w[f"bytes_{side}"] = sum(x["bytes"] for x in links.values())
             w[f"seconds_{side}"] = sum(x["seconds"] for x in links.values())
         workers.append(w)
-    decisions = {k: after["decisions"].get(k, 0) - before["decisions"].get(k, 0) for k in after["decisions"]}
+    decisions = {k: n for k in after["decisions"] if (n := after["decisions"][k] - before["decisions"].get(k, 0))}
     return {"workers": workers, "decisions": decisions,
             **{k: after.get(k, 0) - before.get(k, 0) for k in ("retries", "transfer_failures", "workers_down",
                                                                "rejoined")}}
@@ -404,14 +419,20 @@ def run_arm(arm: str, model_dir: Path, modules: dict[str, Path], warm: list[Task
             args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     disagg = ARMS[arm] is not None
     port = free_port()
-    server = Server(server_args(arm, model_dir, modules, args), port, log_dir / f"{arm}-{port}.log")
+    spec = ARMS[arm]
+    server = Server(server_args(arm, model_dir, modules, args), port, log_dir / f"{arm}-{port}.log",
+                    always_offload=spec is not None and spec[2])
     out: dict[str, Any] = {"arm": arm}
     try:
         out["startup_s"] = server.wait_ready(args.startup_timeout)
         if disagg:
             cl = read_counters(server.url, True)
-            out["workers"] = [{"role": w["role"], "agents": w["agents"], "threads": None} for w in cl["workers"]]
-        asyncio.run(run_tasks(server.url, warm, args.out, 1))
+            out["workers"] = [{"role": w["role"], "agents": w["agents"]} for w in cl["workers"]]
+        before = read_counters(server.url, disagg)
+        results, wall = asyncio.run(run_tasks(server.url, warm, args.out, 1))
+        time.sleep(0.3)
+        out["warmup"] = arm_summary(results, wall) | {
+            "counters": counter_delta(before, read_counters(server.url, disagg), disagg)}
         out["modes"] = {}
         for inflight in args.inflight:
             before = read_counters(server.url, disagg)
@@ -431,11 +452,19 @@ def run_arm(arm: str, model_dir: Path, modules: dict[str, Path], warm: list[Task
         server.stop()
         out["stray_processes"] = server.stray
         if server.stray:
-            print(f"  [{arm}] processes left after SIGTERM (killed): {server.stray}", file=sys.stderr)
+            print(f"  [{arm}] {len(server.stray)} process(es) outlived the serve process's SIGTERM (killed now): "
+                  f"{', '.join(short(p) for p in server.stray)}", file=sys.stderr)
     return out
 
 
 # ---- the report -------------------------------------------------------------------------------
+
+
+def short(process: str) -> str:
+    """``pid role`` of a ``pgrep -a`` line."""
+    pid, _, cmd = process.partition(" ")
+    role = re.search(r"--role (\w+)", cmd)
+    return f"{pid} {role[1] + ' worker' if role else cmd[:40]}"
 
 
 def fmt_ms(x: float) -> str:
@@ -444,36 +473,35 @@ def fmt_ms(x: float) -> str:
 
 def print_arm_table(arms: list[dict[str, Any]], inflight: str) -> None:
     print(f"\n== {inflight} task(s) in flight: latency in ms (mean / p50 / p90), throughput over the wall time")
-    print(f"{'arm':<17} {'n':>3} {'TTFT mean':>9} {'p50':>6} {'p90':>6} {'E2E mean':>9} {'p50':>6} {'p90':>6} "
+    print(f"{'arm':<24} {'n':>3} {'TTFT mean':>9} {'p50':>6} {'p90':>6} {'E2E mean':>9} {'p50':>6} {'p90':>6} "
           f"{'TPOT p50':>8} {'ITL p50':>7} {'req/s':>6} {'tok/s':>6} {'wall s':>6}")
     for a in arms:
         m = a.get("modes", {}).get(inflight)
         if m is None:
-            print(f"{a['arm']:<17} failed: {a.get('error', '?')}")
+            print(f"{a['arm']:<24} failed: {a.get('error', '?')}")
             continue
         t, e = m["ttft_s"], m["e2e_s"]
-        print(f"{a['arm']:<17} {t['n']:>3} {fmt_ms(t['mean']):>9} {fmt_ms(t['p50']):>6} {fmt_ms(t['p90']):>6} "
+        print(f"{a['arm']:<24} {t['n']:>3} {fmt_ms(t['mean']):>9} {fmt_ms(t['p50']):>6} {fmt_ms(t['p90']):>6} "
               f"{fmt_ms(e['mean']):>9} {fmt_ms(e['p50']):>6} {fmt_ms(e['p90']):>6} {fmt_ms(m['tpot_s']['p50']):>8} "
               f"{fmt_ms(m['itl_s']['p50']):>7} {m['request_throughput']:>6.2f} {m['output_throughput']:>6.1f} "
               f"{m['wall_s']:>6.1f}")
         if "p95" in t:
-            print(f"{'':<17}     TTFT p95 {fmt_ms(t['p95'])} p99 {fmt_ms(t['p99'])}; "
+            print(f"{'':<24}     TTFT p95 {fmt_ms(t['p95'])} p99 {fmt_ms(t['p99'])}; "
                   f"E2E p95 {fmt_ms(e.get('p95', float('nan')))} p99 {fmt_ms(e.get('p99', float('nan')))}")
         if m["errors"]:
-            print(f"{'':<17}     {len(m['errors'])} request error(s), first: {m['errors'][0]}")
+            print(f"{'':<24}     {len(m['errors'])} request error(s), first: {m['errors'][0]}")
 
 
-def print_work(arms: list[dict[str, Any]], inflight: str, n_tasks: int) -> None:
-    print(f"\n-- work per worker over the measured {n_tasks} task(s), {inflight} in flight "
-          "(prompt tokens: received / computed / cached; KV moved)")
+def print_work(arms: list[dict[str, Any]], title: str, pick: Any) -> None:
+    print(f"\n-- work per worker {title} (prompt tokens: received / computed / cached; KV moved)")
     for a in arms:
-        m = a.get("modes", {}).get(inflight)
-        if m is None:
+        m = pick(a)
+        if m is None or "counters" not in m:
             continue
         c = m["counters"]
         for w in c["workers"]:
             who = f"{w['role']}" + (f"[{','.join(w['agents'])}]" if w.get("agents") else "")
-            line = (f"{a['arm']:<17} {who:<20} prompt {w['prompt_tokens']:>6} / {w['prefill_tokens']:>6} / "
+            line = (f"{a['arm']:<24} {who:<20} prompt {w['prompt_tokens']:>6} / {w['prefill_tokens']:>6} / "
                     f"{w['cached_prompt_tokens']:>6}")
             if "exported_blocks" in w:
                 if w["role"] == "prefill":
@@ -488,7 +516,7 @@ def print_work(arms: list[dict[str, Any]], inflight: str, n_tasks: int) -> None:
                 line += f"  cross-module hit blocks {w['cross_module_hit_blocks']}"
             print(line)
         if "decisions" in c:
-            print(f"{a['arm']:<17} routing decisions {c['decisions']}; retries {c['retries']}, transfer failures "
+            print(f"{a['arm']:<24} routing decisions {c['decisions']}; retries {c['retries']}, transfer failures "
                   f"{c['transfer_failures']}, workers down {c['workers_down']}")
 
 
@@ -516,9 +544,9 @@ def print_ratios(r: dict[str, dict[str, float]], inflight: str) -> None:
         return
     print(f"\n-- disaggregated / colocated, {inflight} in flight (medians; >1 = slower for latency, "
           "<1 = less throughput)")
-    print(f"{'arm':<17} {'TTFT p50':>9} {'E2E p50':>8} {'TPOT p50':>9} {'tok/s':>6} {'wall':>6}")
+    print(f"{'arm':<24} {'TTFT p50':>9} {'E2E p50':>8} {'TPOT p50':>9} {'tok/s':>6} {'wall':>6}")
     for arm, x in r.items():
-        print(f"{arm:<17} {x['ttft_p50']:>8.2f}x {x['e2e_p50']:>7.2f}x {x['tpot_p50']:>8.2f}x "
+        print(f"{arm:<24} {x['ttft_p50']:>8.2f}x {x['e2e_p50']:>7.2f}x {x['tpot_p50']:>8.2f}x "
               f"{x['output_throughput']:>5.2f}x {x['wall']:>5.2f}x")
 
 
@@ -531,6 +559,8 @@ def merge_reps(reps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         runs = [a for rep in reps for a in rep if a["arm"] == name]
         arm: dict[str, Any] = {"arm": name, "modes": {}, "reps": len(runs),
                                "stray_processes": [s for a in runs for s in a["stray_processes"]]}
+        if runs[-1].get("warmup"):
+            arm["warmup"] = runs[-1]["warmup"]
         errors = [a["error"] for a in runs if "error" in a]
         if errors:
             arm["error"] = "; ".join(errors)
@@ -554,7 +584,7 @@ def main() -> None:
     ap.add_argument("--out", type=int, default=32, help="output tokens per agent")
     ap.add_argument("--tasks", type=int, default=4, help="measured tasks per arm (after 1 warm-up task)")
     ap.add_argument("--reps", type=int, default=1, help="passes over all arms (servers restarted; order alternates)")
-    ap.add_argument("--arms", default="colocated,disagg-bf16-shm", help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--arms", default="colocated,disagg-bf16-shm,disagg-bf16-shm-always", help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--inflight", default="1", help="tasks in flight, comma-separated modes, e.g. 1,2")
     ap.add_argument("--offload-threshold", type=int, default=None, help="disaggregated: offload prefills longer "
                     "than this (default: the CLI's, 256 tokens)")
@@ -615,11 +645,15 @@ def main() -> None:
     result["ratios"] = {}
     for inflight in map(str, args.inflight):
         print_arm_table(merged, inflight)
-        print_work(merged, inflight, args.tasks)
+        print_work(merged, f"over the measured {args.tasks} task(s), {inflight} in flight",
+                   lambda a, k=inflight: a.get("modes", {}).get(k))
         result["ratios"][inflight] = ratios(merged, inflight)
         print_ratios(result["ratios"][inflight], inflight)
+    print_work(merged, "over the (unmeasured) warm-up task, cold: its decisions are the cold router's",
+               lambda a: a.get("warmup"))
     stray = [s for a in merged for s in a.get("stray_processes", [])]
-    print(f"\nprocesses left after stopping the servers: {len(stray)}" + (f" {stray}" if stray else ""))
+    print(f"\nprocesses that outlived SIGTERM to their serve process (then killed): {len(stray)}"
+          + (f" ({', '.join(short(p) for p in stray)})" if stray else ""))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, default=str))

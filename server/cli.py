@@ -68,7 +68,7 @@ def serve(
     prefill_workers: int = typer.Option(1, help="with --disaggregated: prefill worker processes"),
     decode_workers: int = typer.Option(2, help="with --disaggregated: decode worker processes (agents dealt round-robin)"),
     transfer_codec: str = typer.Option("bf16", help="with --disaggregated: KV payload: fp32, bf16 or int8 (lossy namespace)"),
-    transport: str = typer.Option("shm", help="with --disaggregated: shm (same host) or tcp"),
+    transport: str = typer.Option("auto", help="with --disaggregated: shm, tcp, or auto (shm within a host)"),
     offload_threshold: int = typer.Option(256, help="with --disaggregated: offload prefills longer than this (tokens)"),
 ) -> None:
     """Serve the OpenAI-compatible and native API; every agent of the family shares prefill."""
@@ -121,7 +121,7 @@ def router(
     host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
     model: Path | None = typer.Option(None, help="base model directory, for the tokenizer"),
     api_key: list[str] | None = typer.Option(None, envvar="AGENTSHARE_API_KEYS"),
-    transfer_codec: str = typer.Option("bf16"), transport: str = typer.Option("shm"),
+    transfer_codec: str = typer.Option("bf16"), transport: str = typer.Option("auto", help="shm, tcp or auto"),
     offload_threshold: int = typer.Option(256), log_level: str = typer.Option("info"),
 ) -> None:
     """Serve the API over running workers (started with ``agentshare worker``)."""

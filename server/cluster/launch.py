@@ -15,6 +15,7 @@ cores with OpenMP threads that spin against each other (DESIGN §4).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -137,7 +138,8 @@ class LocalCluster:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             p.log = open(self.log_dir / f"worker-{index}-{p.spec.role}.log", "ab")  # noqa: SIM115 (closed in stop)
-        p.proc = subprocess.Popen(p.args, env=environ, stdout=p.log, stderr=subprocess.STDOUT if p.log else None)
+        p.proc = subprocess.Popen(p.args, env=environ, stdout=p.log, stderr=subprocess.STDOUT if p.log else None,
+                                  preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -257,12 +259,18 @@ def serve_disaggregated(
     threads: int | None = None, chunk_blocks: int = 32,
 ) -> None:
     """``agentshare serve --disaggregated``: start the workers here, then serve the router."""
+    from server.api.logs import configure_logging
+
+    configure_logging(config.log_level)
     specs = plan_workers(prefill, decode, config.modules, threads=threads)
     for i, s in enumerate(specs):
         log.info("plan", extra={"event": "plan", "worker": i, "role": s.role, "agents": ",".join(s.modules) or "base",
                                 "threads": s.threads, "cpus": ",".join(map(str, s.cpus)) or "shared"})
     worker_config = ServerConfig(**{**_fields(config), "modules": {}, "threads": None})
     cluster = LocalCluster(specs, worker_config, chunk_blocks=chunk_blocks)
+    # uvicorn re-raises the SIGTERM it caught once it has shut down; with the default handler
+    # that kills this process before the workers are stopped. Exit through Python instead.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with cluster, _router_threads(1):
         serve_router(config, cluster.urls, router)
 
@@ -278,6 +286,15 @@ def _router_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _die_with_parent() -> None:
+    """In a worker, before exec: get SIGTERM when the launching process dies, however it dies
+    (Linux), so a crashed launcher leaves no orphans holding ports and memory."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: LocalCluster.stop() still stops them on a clean exit
 
 
 def _fields(config: ServerConfig) -> dict[str, object]:

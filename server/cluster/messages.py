@@ -83,6 +83,8 @@ class WorkerStats(BaseModel):
     contexts: int = 0
     blocks_capacity: int = 0
     blocks_held: int = 0
+    blocks_free: int = 0
+    blocks_evictable: int = 0
     bytes_held: int = 0
     hit_blocks: int = 0
     miss_blocks: int = 0

@@ -28,6 +28,7 @@ import itertools
 import logging
 import time
 import uuid
+from urllib.parse import urlsplit
 from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from collections.abc import Sequence as SequenceOf
@@ -90,7 +91,8 @@ class RouterConfig:
     codec: Codec = Codec.BF16
     """Payload dtype of KV transfers; a lossy one (int8, or bf16 from an fp32 engine) puts the
     moved blocks in the family's lossy namespace."""
-    transport: str = "shm"  # shm (same host) or tcp
+    transport: str = "auto"
+    """shm, tcp, or auto: shared memory between workers reached at the same host name, else TCP."""
     health_interval: float = 0.5
     connect_timeout: float = 120.0  # waiting for the workers at start-up
     transfer_timeout: float = 60.0
@@ -98,8 +100,8 @@ class RouterConfig:
     link_bytes_s: float = 1e9  # until measured: bandwidth of a link
 
     def __post_init__(self) -> None:
-        if self.transport not in ("shm", "tcp"):
-            raise ValueError(f"transport must be shm or tcp, got {self.transport!r}")
+        if self.transport not in ("auto", "shm", "tcp"):
+            raise ValueError(f"transport must be auto, shm or tcp, got {self.transport!r}")
 
 
 @dataclass(slots=True)
@@ -308,7 +310,8 @@ class ClusterBackend:
         assert dest.info is not None
         order = Prefill(transfer_id=tid, token_ids=prefix[: (expected.first_block + expected.num_blocks) * self.facts.block_size],
                         salt=salt, first_block=expected.first_block,
-                        destination=expected.address[self.config.transport], codec=self.config.codec.value)
+                        destination=expected.address[self._transport_between(source, dest)],
+                        codec=self.config.codec.value)
         nbytes = expected.num_blocks * self.facts.block_size * self._kv_bytes_per_token()
         task = asyncio.create_task(self._run_transfer(source, dest, order, decision.prefill.compute_tokens, nbytes))
         self._transfers.add(task)
@@ -336,6 +339,11 @@ class ClusterBackend:
         finally:
             source.queued_tokens -= tokens
             source.queued_bytes -= nbytes
+
+    def _transport_between(self, source: Member, dest: Member) -> str:
+        if self.config.transport != "auto":
+            return self.config.transport
+        return "shm" if urlsplit(source.url).hostname == urlsplit(dest.url).hostname else "tcp"
 
     def _snap(self, m: Member, role: Role, cached: Cached) -> WorkerSnapshot:
         return WorkerSnapshot(m.id, role, self.facts.family, cached_tokens=cached.cached_tokens,

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import time
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,13 +144,21 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         spec = self.engine.core.kv.spec
-        address = {k: self.receiver.address(k) for k in ("tcp", "shm")} if self.receiver else {}
+        address = self._kv_address()
         return WorkerInfo(
             role=self.role, url=self.url, family=self.facts.family, agents=[c.info() for c in self.facts.agents.values()],
             block_size=self.facts.block_size, max_context=self.facts.max_context,
             kv_dtype=str(spec.dtype).removeprefix("torch."), kv_bytes_per_token=spec.bytes_per_token(),
             kv_address=address, threads=self.threads, pid=os.getpid(),
         )
+
+    def _kv_address(self) -> dict[str, str]:
+        """Where senders reach the KV receiver: the host this worker is reached at (its URL), not
+        the address it listens on (``0.0.0.0`` is no address for another host)."""
+        if self.receiver is None:
+            return {}
+        host = urlsplit(self.url).hostname or self.receiver.host
+        return {k: f"{k}://{host}:{self.receiver.port}" for k in ("tcp", "shm")}
 
     async def stats(self) -> WorkerStats:
         snap = await self.engine.run(EngineSnapshot.of)
@@ -160,6 +169,7 @@ class Worker:
             prefill_tokens=snap.prefill_tokens, decode_tokens=snap.decode_tokens, finished=snap.finished,
             waiting=snap.waiting, running=snap.running, contexts=snap.contexts,
             blocks_capacity=snap.blocks_capacity, blocks_held=snap.blocks_held, bytes_held=snap.bytes_held,
+            blocks_free=snap.blocks_free, blocks_evictable=snap.blocks_evictable,
             hit_blocks=snap.hit_blocks, miss_blocks=snap.miss_blocks, inflight_hit_blocks=snap.inflight_hit_blocks,
             cross_module_hit_blocks=snap.cross_module_hit_blocks, evictions=snap.evictions,
             exported_blocks=c.exported_blocks, imported_blocks=c.imported_blocks, transfers_ok=c.transfers_ok,
@@ -199,7 +209,7 @@ class Worker:
             self._deadlines[body.transfer_id] = loop.call_later(
                 body.timeout, lambda: asyncio.ensure_future(self._close(body.transfer_id, "timed out")))
         return Expected(transfer_id=body.transfer_id, first_block=inbound.first_block, num_blocks=inbound.num_blocks,
-                        address={k: self.receiver.address(k) for k in ("tcp", "shm")})
+                        address=self._kv_address())
 
     async def abort(self, body: TransferRef) -> None:
         await self._close(body.transfer_id, body.reason or "aborted by the router")

@@ -193,3 +193,45 @@ def _until(cond, what: str, timeout: float = 30.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting until {what}")
+
+
+def test_serve_disaggregated_starts_a_working_set_with_one_command_and_stops_it(
+    tiny_model_dir: Path, agent_modules: dict[str, Path], tmp_path: Path
+):
+    """``agentshare serve --disaggregated``: workers are started (each told its threads), the
+    router answers, and SIGTERM stops every process it started."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from server.cluster.launch import free_port
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--disaggregated", "--prefill-workers", "1",
+         "--decode-workers", "1", "--port", str(port), "--model", str(tiny_model_dir), "--dtype", "float32",
+         "--kv-cache", "16MiB", "--module", f"coder={agent_modules['coder']}", "--log-level", "info"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        from tests.server.cluster.conftest import _wait
+
+        _wait(url, proc)
+        info = httpx.get(f"{url}/internal/cluster", timeout=10).json()
+        assert [w["role"] for w in info["workers"]] == ["prefill", "decode"]
+        assert info["workers"][1]["agents"] == ["base", "coder"]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) == 2
+        out = chat(url, "coder", "One command. " + DOC, max_tokens=4)
+        assert out["usage"]["completion_tokens"] == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], \
+        (tmp_path / "serve.log").read_text()[-3000:]
+    text = (tmp_path / "serve.log").read_text()
+    assert '"event": "plan"' in text and '"threads": 1' in text
