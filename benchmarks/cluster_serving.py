@@ -7,10 +7,8 @@ next one starts (one server set at a time)::
     disagg-bf16-shm   serve --disaggregated: 1 prefill + 3 decode workers (one agent each), the
                       router in the parent; bf16 KV over shared memory, the CLI's offload policy
                       (threshold 256 tokens, bandwidth-aware: it may keep a prefill local)
-    disagg-bf16-shm-always   the same, but the router's policy is not bandwidth-aware, so every
-                      shared prefix above the threshold is offloaded to the prefill worker (the
-                      CLI has no switch for that; this arm patches ``server.cli._router_config``
-                      in the serve process)
+    disagg-bf16-shm-always   the same with ``--no-bandwidth-aware``: every shared prefix above
+                      the threshold is offloaded to the prefill worker
     disagg-{bf16,int8}-{shm,tcp}[-always]   the other codecs and transports (optional, --arms)
 
 The workload: T tasks; each task is a fresh shared context of ~C tokens (generated incident
@@ -35,7 +33,7 @@ slower. This benchmark measures by how much, and whether the prefill worker comp
 shared context once — it is not built to make either arm look good.
 
     python benchmarks/cluster_serving.py [--context 2048] [--out 32] [--tasks 4] [--reps 1]
-        [--arms colocated,disagg-bf16-shm[,disagg-int8-shm,disagg-bf16-tcp]] [--inflight 1[,2]]
+        [--arms colocated,disagg-bf16-shm,disagg-bf16-shm-always[,disagg-int8-tcp,...]] [--inflight 1[,2]]
         [--threads 2] [--dtype bfloat16] [--json results/cluster_serving.json]
     python benchmarks/cluster_serving.py --quick      # a smoke run: C=512, OUT=8, T=2, 1 rep
 """
@@ -80,18 +78,6 @@ ARMS: dict[str, tuple[str, str, bool] | None] = {  # codec, transport, always of
     **{f"disagg-{c}-{t}{'-always' if a else ''}": (c, t, a)
        for a in (False, True) for t in ("shm", "tcp") for c in ("bf16", "int8")},
 }
-# ``serve`` with the router's offload policy not bandwidth-aware: every prefix above the
-# threshold goes to the prefill worker (the CLI has no switch for it; the policy's own is used)
-ALWAYS_OFFLOAD = """
-import server.cli as cli
-from server.cluster.codec import Codec
-from server.cluster.router import RouterConfig
-from server.policy import OffloadPolicy
-cli._router_config = lambda codec, transport, threshold: RouterConfig(
-    codec=Codec(codec), transport=transport,
-    policy=OffloadPolicy(threshold_tokens=threshold, bandwidth_aware=False))
-cli.app()
-"""
 QUESTIONS = (
     "Which services failed most often in the records above? Answer with a short list.",
     "For the incidents above, name the region with the most high-severity tickets and say why.",
@@ -248,13 +234,12 @@ async def run_tasks(url: str, tasks: list[Task], out: int, inflight: int) -> tup
 class Server:
     """One ``agentshare serve`` (and, disaggregated, its worker children) in its own process group."""
 
-    def __init__(self, args: list[str], port: int, log_path: Path, *, always_offload: bool = False) -> None:
+    def __init__(self, args: list[str], port: int, log_path: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        entry = ["-c", ALWAYS_OFFLOAD] if always_offload else ["-m", "server.cli"]
-        self.proc = subprocess.Popen([sys.executable, *entry, "serve", "--port", str(port), *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
                                      cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         self.pgid = self.proc.pid
@@ -315,9 +300,11 @@ def server_args(arm: str, model_dir: Path, modules: dict[str, Path], args: argpa
     spec = ARMS[arm]
     if spec is None:
         return [*common, "--threads", str(args.threads)]
-    codec, transport, _ = spec
+    codec, transport, always = spec
     out = [*common, "--disaggregated", "--prefill-workers", "1", "--decode-workers", str(N_AGENTS),
            "--transfer-codec", codec, "--transport", transport]
+    if always:
+        out.append("--no-bandwidth-aware")
     if args.offload_threshold is not None:
         out += ["--offload-threshold", str(args.offload_threshold)]
     return out  # no --threads: the launcher gives each of the 4 workers cores // 4 = 1 thread
@@ -415,13 +402,12 @@ def arm_summary(results: list[Result], wall: float) -> dict[str, Any]:
 # ---- one arm ----------------------------------------------------------------------------------
 
 
-def run_arm(arm: str, model_dir: Path, modules: dict[str, Path], warm: list[Task], tasks: list[Task],
-            args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def run_arm(arm: str, model_dir: Path, modules: dict[str, Path], warm: list[Task],
+            tasks: dict[int, list[Task]], args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """Start the arm's server, run the warm-up task, then each mode on its own fresh tasks."""
     disagg = ARMS[arm] is not None
     port = free_port()
-    spec = ARMS[arm]
-    server = Server(server_args(arm, model_dir, modules, args), port, log_dir / f"{arm}-{port}.log",
-                    always_offload=spec is not None and spec[2])
+    server = Server(server_args(arm, model_dir, modules, args), port, log_dir / f"{arm}-{port}.log")
     out: dict[str, Any] = {"arm": arm}
     try:
         out["startup_s"] = server.wait_ready(args.startup_timeout)
@@ -436,7 +422,7 @@ def run_arm(arm: str, model_dir: Path, modules: dict[str, Path], warm: list[Task
         out["modes"] = {}
         for inflight in args.inflight:
             before = read_counters(server.url, disagg)
-            results, wall = asyncio.run(run_tasks(server.url, tasks, args.out, inflight))
+            results, wall = asyncio.run(run_tasks(server.url, tasks[inflight], args.out, inflight))
             time.sleep(0.3)  # let the last transfer acknowledgements land in the counters
             after = read_counters(server.url, disagg)
             mode = arm_summary(results, wall)
@@ -609,18 +595,21 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     family = family_digest(model_dir, kv_dtype=args.dtype)
     warm = make_tasks(tokenizer, 1, args.context, first=0)
-    tasks = make_tasks(tokenizer, args.tasks, args.context, first=1)
+    # each mode its own fresh contexts (a mode must not hit the previous mode's cache); every arm the same
+    tasks = {k: make_tasks(tokenizer, args.tasks, args.context, first=1 + i * args.tasks)
+             for i, k in enumerate(args.inflight)}
+    every = [t for ts in tasks.values() for t in ts]
     print(f"SmolLM2-135M, {args.dtype}, {os.cpu_count()} CPU cores; {N_AGENTS} agents x {args.tasks} tasks "
           f"(+1 warm-up) per arm; context ~{args.context} tokens "
-          f"(rendered: {statistics.median(t.context_tokens for t in tasks):.0f}), prompts "
-          f"{min(p for t in tasks for p in t.prompt_tokens)}-{max(p for t in tasks for p in t.prompt_tokens)} "
+          f"(rendered: {statistics.median(t.context_tokens for t in every):.0f}), prompts "
+          f"{min(p for t in every for p in t.prompt_tokens)}-{max(p for t in every for p in t.prompt_tokens)} "
           f"tokens, {args.out} output tokens; tasks in flight {args.inflight}; colocated threads {args.threads}, "
           f"disaggregated 1 prefill + {N_AGENTS} decode workers x 1 thread")
     result: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "cpu_cores": os.cpu_count(), "family": family,
-        "tasks": [{"index": t.index, "context_tokens": t.context_tokens, "prompt_tokens": t.prompt_tokens}
-                  for t in tasks],
+        "tasks": {k: [{"index": t.index, "context_tokens": t.context_tokens, "prompt_tokens": t.prompt_tokens}
+                      for t in ts] for k, ts in tasks.items()},
     }
     reps: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="cluster_serving-") as tmp:

@@ -70,6 +70,8 @@ def serve(
     transfer_codec: str = typer.Option("bf16", help="with --disaggregated: KV payload: fp32, bf16 or int8 (lossy namespace)"),
     transport: str = typer.Option("auto", help="with --disaggregated: shm, tcp, or auto (shm within a host)"),
     offload_threshold: int = typer.Option(256, help="with --disaggregated: offload prefills longer than this (tokens)"),
+    bandwidth_aware: bool = typer.Option(True, help="with --disaggregated: keep a prefill local when moving its KV "
+                                         "would take longer than computing it (off: offload every long prefill)"),
 ) -> None:
     """Serve the OpenAI-compatible and native API; every agent of the family shares prefill."""
     from server.api.serve import config_from_options
@@ -83,7 +85,7 @@ def serve(
     from server.cluster.launch import serve_disaggregated
 
     serve_disaggregated(config, prefill=prefill_workers, decode=decode_workers, threads=threads,
-                        router=_router_config(transfer_codec, transport, offload_threshold))
+                        router=_router_config(transfer_codec, transport, offload_threshold, bandwidth_aware))
 
 
 @app.command()
@@ -122,22 +124,25 @@ def router(
     model: Path | None = typer.Option(None, help="base model directory, for the tokenizer"),
     api_key: list[str] | None = typer.Option(None, envvar="AGENTSHARE_API_KEYS"),
     transfer_codec: str = typer.Option("bf16"), transport: str = typer.Option("auto", help="shm, tcp or auto"),
-    offload_threshold: int = typer.Option(256), log_level: str = typer.Option("info"),
+    offload_threshold: int = typer.Option(256), bandwidth_aware: bool = typer.Option(True),
+    log_level: str = typer.Option("info"),
 ) -> None:
     """Serve the API over running workers (started with ``agentshare worker``)."""
     from server.api.serve import config_from_options
     from server.cluster.launch import serve_router
 
-    serve_router(config_from_options(locals()), worker, _router_config(transfer_codec, transport, offload_threshold))
+    serve_router(config_from_options(locals()), worker,
+                 _router_config(transfer_codec, transport, offload_threshold, bandwidth_aware))
 
 
-def _router_config(codec: str, transport: str, threshold: int) -> object:
+def _router_config(codec: str, transport: str, threshold: int, bandwidth_aware: bool = True) -> object:
     from server.cluster.codec import Codec
     from server.cluster.router import RouterConfig
     from server.policy import OffloadPolicy
 
     try:
-        return RouterConfig(codec=Codec(codec), transport=transport, policy=OffloadPolicy(threshold_tokens=threshold))
+        policy = OffloadPolicy(threshold_tokens=threshold, bandwidth_aware=bandwidth_aware)
+        return RouterConfig(codec=Codec(codec), transport=transport, policy=policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 

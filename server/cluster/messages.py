@@ -96,6 +96,7 @@ class WorkerStats(BaseModel):
     transfers_ok: int = 0
     transfers_failed: int = 0
     checksum_failures: int = 0
+    prefill_tok_s: float = 0.0  # measured by the engine (0: not yet)
     sent: dict[str, LinkFigures] = Field(default_factory=dict)  # per destination
     received: dict[str, LinkFigures] = Field(default_factory=dict)  # per source
 
@@ -154,7 +155,8 @@ class Prefilled(BaseModel):
     transfer_id: str
     blocks: int
     bytes: int
-    seconds: float
+    seconds: float  # the whole order: queue, prefill, encode, send, ack
+    link_seconds: float  # of which moving frames (what a link's bandwidth is measured by)
     computed_tokens: int
     cached_tokens: int
 

@@ -96,8 +96,8 @@ class RouterConfig:
     health_interval: float = 0.5
     connect_timeout: float = 120.0  # waiting for the workers at start-up
     transfer_timeout: float = 60.0
-    prefill_tok_s: float = 1000.0  # until measured: prefill throughput of a worker, for estimates
-    link_bytes_s: float = 1e9  # until measured: bandwidth of a link
+    prefill_tok_s: float = 1000.0  # a worker's prefill throughput until it has measured its own
+    link_bytes_s: float = 1e9  # a link's bandwidth until a transfer measured it
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):
@@ -323,8 +323,8 @@ class ClusterBackend:
         try:
             done = Prefilled.model_validate(await self._post(source, "/internal/prefill", order,
                                                              timeout=self.config.transfer_timeout))
-            if done.seconds > 0 and done.bytes:
-                rate = done.bytes / done.seconds
+            if done.link_seconds > 0 and done.bytes:  # the link's own time, not the prefill's
+                rate = done.bytes / done.link_seconds
                 source.link_bytes_s = rate if source.link_bytes_s is None else 0.8 * source.link_bytes_s + 0.2 * rate
         except Exception as exc:  # the decode side recomputes what did not arrive; say so, and tell it now
             self.stats.transfer_failures += 1
@@ -348,7 +348,12 @@ class ClusterBackend:
     def _snap(self, m: Member, role: Role, cached: Cached) -> WorkerSnapshot:
         return WorkerSnapshot(m.id, role, self.facts.family, cached_tokens=cached.cached_tokens,
                               queue_depth=cached.waiting, queued_tokens=m.queued_tokens, running=cached.running,
-                              occupancy=min(1.0, cached.occupancy), prefill_tok_s=self.config.prefill_tok_s)
+                              occupancy=min(1.0, cached.occupancy), prefill_tok_s=self._prefill_rate(m))
+
+    def _prefill_rate(self, m: Member) -> float:
+        """The worker's measured prefill throughput; before it measured any, the configured one."""
+        measured = m.stats.prefill_tok_s if m.stats is not None else 0.0
+        return measured if measured > 0 else self.config.prefill_tok_s
 
     def _lossy_codec(self) -> str | None:
         """The lossy namespace moved blocks land in, or None when the codec is exact for our KV."""

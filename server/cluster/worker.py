@@ -161,7 +161,7 @@ class Worker:
         return {k: f"{k}://{host}:{self.receiver.port}" for k in ("tcp", "shm")}
 
     async def stats(self) -> WorkerStats:
-        snap = await self.engine.run(EngineSnapshot.of)
+        snap, rate = await self.engine.run(lambda core: (EngineSnapshot.of(core), core.stats.prefill_tok_s))
         c = self.counters
         received = self.receiver.stats if self.receiver else {}
         return WorkerStats(
@@ -173,7 +173,7 @@ class Worker:
             hit_blocks=snap.hit_blocks, miss_blocks=snap.miss_blocks, inflight_hit_blocks=snap.inflight_hit_blocks,
             cross_module_hit_blocks=snap.cross_module_hit_blocks, evictions=snap.evictions,
             exported_blocks=c.exported_blocks, imported_blocks=c.imported_blocks, transfers_ok=c.transfers_ok,
-            transfers_failed=c.transfers_failed, checksum_failures=c.checksum_failures,
+            transfers_failed=c.transfers_failed, checksum_failures=c.checksum_failures, prefill_tok_s=rate,
             sent={k: _figures(v) for k, v in c.sent.items()}, received={k: _figures(v) for k, v in received.items()},
         )
 
@@ -296,7 +296,7 @@ class Worker:
         self.counters.transfers_ok += 1
         self.counters.exported_blocks += blocks
         return Prefilled(transfer_id=body.transfer_id, blocks=blocks, bytes=sender.stats.bytes,
-                         seconds=time.monotonic() - start, computed_tokens=out.computed_tokens,
+                         seconds=time.monotonic() - start, link_seconds=sender.stats.seconds, computed_tokens=out.computed_tokens,
                          cached_tokens=out.cached_tokens)
 
     def _inject(self, frame: Frame) -> Frame:

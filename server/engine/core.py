@@ -73,6 +73,13 @@ class EngineStats:
     steps: int = 0
     finished: int = 0
     replans: int = 0  # requests that re-planned after a block they awaited was abandoned
+    prefill_tok_s: float = 0.0  # measured: EWMA over steps that were mostly prefill (0: none yet)
+
+    def observe_step(self, rows: int, prefill_rows: int, seconds: float) -> None:
+        """Fold one step into the prefill-throughput estimate (placement policies read it)."""
+        if prefill_rows >= 32 and prefill_rows >= rows // 2 and seconds > 0:
+            rate = rows / seconds
+            self.prefill_tok_s = rate if not self.prefill_tok_s else 0.7 * self.prefill_tok_s + 0.3 * rate
 
 
 class EngineCore:
@@ -269,12 +276,16 @@ class EngineCore:
         if not work:
             return events
         self.stats.steps += 1
+        started = time.perf_counter()
         try:
             logits = self._run(work)
         except Exception as exc:  # a bug or resource error: fail this step's requests, keep serving
             for seq, _, _ in work:
                 events.append(self._finish(seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}"))
             return events
+        self.stats.observe_step(sum(n for _, _, n in work),
+                                sum(n for seq, _, n in work if seq.phase is Phase.PREFILL),
+                                time.perf_counter() - started)
         sampled_seqs, rows = [], []
         for (seq, start, n), row in zip(work, logits, strict=True):
             seq.num_computed = start + n

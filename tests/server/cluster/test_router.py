@@ -136,3 +136,28 @@ def test_a_joining_worker_of_another_family_is_refused():
 
     with pytest.raises(InvalidRequest, match="serves family"):
         asyncio.run(join())
+
+
+def test_a_links_bandwidth_is_measured_by_its_own_time_not_the_prefills():
+    """A prefill order takes 10 s (mostly compute) and moves 1 MB in 0.1 s: the link is 10 MB/s,
+    not 0.1 MB/s (that mistake made every later offload look slower than a local prefill)."""
+    from server.cluster.messages import Prefill, Prefilled
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=Prefilled(transfer_id="t", blocks=4, bytes=1_000_000, seconds=10.0,
+                                                  link_seconds=0.1, computed_tokens=64, cached_tokens=0).model_dump())
+
+    b = backend(handler)
+    source, dest = b.members
+    order = Prefill(transfer_id="t", token_ids=list(range(64)), first_block=0, destination="shm://x:1", codec="bf16")
+
+    async def go() -> None:
+        await b.start()
+        try:
+            await b._run_transfer(source, dest, order, 64, 1_000_000)
+        finally:
+            await b.stop()
+
+    asyncio.run(go())
+    assert source.link_bytes_s == pytest.approx(1e7)
+    assert source.queued_tokens == 0 and source.queued_bytes == 0

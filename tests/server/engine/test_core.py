@@ -271,3 +271,15 @@ def test_a_pinned_context_is_prefilled_once_and_survives_pressure_until_released
     assert core.release_context("ctx") and not core.release_context("ctx")
     with pytest.raises(InvalidRequest):
         core.add_context("bad", ctx, ttl=0)
+
+
+def test_prefill_throughput_is_measured_on_prefill_steps_only():
+    from server.engine.core import EngineStats
+
+    s = EngineStats()
+    s.observe_step(rows=8, prefill_rows=0, seconds=0.1)  # a decode step: no prefill figure
+    assert s.prefill_tok_s == 0.0
+    s.observe_step(rows=512, prefill_rows=500, seconds=0.5)
+    assert s.prefill_tok_s == pytest.approx(1024.0)
+    s.observe_step(rows=512, prefill_rows=512, seconds=1.0)
+    assert s.prefill_tok_s == pytest.approx(0.7 * 1024 + 0.3 * 512)
