@@ -3,20 +3,23 @@
 Each prompt is a chat over a 256-token window of real text (the demo's incident report), then
 a question. Its shared prefix (the full blocks before the invocation point) is prefilled by one
 engine, moved through the real transfer codec (encode -> bytes -> decode) into a second
-engine, and the second engine greedily generates ``--tokens`` tokens from it. Three arms, same
+engine, and the second engine greedily generates ``--tokens`` tokens from it. Arms, same
 prompts, same engines:
 
     local   the decode engine prefills the prefix itself (the reference)
-    bf16    prefix moved as bf16 (exact when the engines run bf16: must equal local)
-    int8    prefix moved as int8, K per-channel / V per-token scales per block (KIVI-style);
-            the blocks land in the lossy namespace
+    <codec> the prefix moved through that codec (``--codecs``, default bf16,int8): bf16 is exact
+            when the engines run bf16; int8 quantises K per channel and V per token per block
+            (KIVI-style) and its blocks land in the lossy namespace
 
 Reported: int8 vs bf16 (the codec's own effect: both arms split prefill and decode the same
 way), and each vs local (in bf16 a different split changes reduction order, so even an exact
 bf16 move is not bitwise the local run). Per pair: prompts identical over all tokens, and the
 mean length of the matching prefix. Every prompt of an arm is batched (continuous batching).
+In fp32 engines (``--dtype float32 --codecs fp32,bf16,int8``) reduction order barely matters,
+so the codecs' own effect shows.
 
     python benchmarks/kv_int8_agreement.py [--prompts 50] [--tokens 64] [--threads 2] [--json out.json]
+    python benchmarks/kv_int8_agreement.py --dtype float32 --codecs fp32,bf16,int8   # the codecs alone
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="the engines' dtype (and KV dtype)")
+    ap.add_argument("--codecs", default="bf16,int8", help="transfer codecs to compare, e.g. fp32,bf16,int8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -117,7 +121,8 @@ def main() -> None:
     outputs = {"local": generate(loaded.with_config(cfg), batch, args.tokens, None)}
     print(f"  local: {time.perf_counter() - t:.1f} s")
     results: dict[str, dict] = {}
-    for codec in (Codec.BF16, Codec.INT8):
+    codecs = [Codec(c) for c in args.codecs.split(",")]
+    for codec in codecs:
         t = time.perf_counter()
         prefill, dec = loaded.with_config(cfg), loaded.with_config(cfg)
         nbytes, moved, lossy = 0, 0, None
@@ -131,21 +136,23 @@ def main() -> None:
         outputs[codec.value] = got
         results[codec.value] = {"payload_bytes_per_token": nbytes / max(1, moved), "lossy_namespace": lossy,
                                 "seconds": time.perf_counter() - t}
-    for name, a, b in (("int8 vs bf16", "int8", "bf16"), ("bf16 vs local", "bf16", "local"),
-                       ("int8 vs local", "int8", "local")):
+    names = [c.value for c in codecs]
+    pairs = [(f"int8 vs {c}", "int8", c) for c in names if c != "int8" and "int8" in names]
+    pairs += [(f"{c} vs local", c, "local") for c in names]
+    for name, a, b in pairs:
         same = matching(outputs[a], outputs[b], args.tokens)
         results[name] = {"identical": sum(n == args.tokens for n in same),
                          "mean_matching_prefix": statistics.mean(same), "matching_prefix": same}
         print(f"  {name:13s}: {results[name]['identical']}/{len(batch)} identical over {args.tokens} tokens, "
               f"mean matching prefix {results[name]['mean_matching_prefix']:.1f}")
-    for codec in ("bf16", "int8"):
+    for codec in names:
         r = results[codec]
         print(f"  {codec}: {r['payload_bytes_per_token']:.0f} payload bytes/token, namespace "
               f"{'lossy/' + r['lossy_namespace'] if r['lossy_namespace'] else 'exact'}, {r['seconds']:.1f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"prompts": len(batch), "tokens": args.tokens, "dtype": args.dtype,
-                                         "results": results}, indent=2))
+                                         "codecs": names, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
