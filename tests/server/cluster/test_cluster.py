@@ -110,6 +110,27 @@ def test_a_context_pinned_through_the_router_is_computed_once_for_every_agent(cl
         assert computed[i] < delta(after, before, "prompt_tokens")[i] - 256
 
 
+def test_the_sdk_works_unchanged_against_the_router(cluster: Running, colocated: str):
+    """The SDK's shared context and fork, pointed at the router: one context, two agents on two
+    decode workers, the same tokens as the colocated server; explain reports the moved prefix."""
+    import anyio
+
+    from agentshare import Agent, AsyncClient
+
+    async def team(url: str) -> tuple[dict[str, tuple[int, ...]], int]:
+        async with AsyncClient(url) as client, await client.context("SDK. " + DOC) as ctx:
+            result = await ctx.fork([Agent(a, instruction=q) for a, q in QUESTION.items()],
+                                    max_tokens=6, temperature=0)
+            report = await client.explain("coder", [{"role": "user", "content": "SDK. " + DOC},
+                                                    {"role": "user", "content": "next"}])
+            return {a.agent: a.token_ids for a in result}, report.cached_tokens
+
+    got, cached = anyio.run(team, cluster.url)
+    want, _ = anyio.run(team, colocated)
+    assert got == want
+    assert cached >= 256  # the coder's decode worker holds the moved prefix
+
+
 def test_the_router_reports_its_workers_and_decisions(cluster: Running):
     info = cluster.cluster()
     assert [w["role"] for w in info["workers"]] == ["prefill", "decode", "decode"]
