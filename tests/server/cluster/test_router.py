@@ -161,3 +161,32 @@ def test_a_links_bandwidth_is_measured_by_its_own_time_not_the_prefills():
     asyncio.run(go())
     assert source.link_bytes_s == pytest.approx(1e7)
     assert source.queued_tokens == 0 and source.queued_bytes == 0
+
+
+def test_a_worker_joins_by_url_and_then_takes_requests():
+    """A decode worker on another host announces itself; the router reads its facts and routes
+    to it (here: the only decode worker left alive)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/info":
+            return httpx.Response(200, json=info(f"http://{request.url.host}").model_dump())
+        if request.url.host == "x" and request.url.path == "/internal/stats":
+            return httpx.Response(200, json=WorkerStats(role="decode").model_dump())
+        if request.url.host == "x" and request.url.path == "/internal/generate":
+            return httpx.Response(200, content=lines(TOKEN, END))
+        raise httpx.ConnectError("connection refused")
+
+    async def go() -> tuple[list, list[str]]:
+        b = backend(handler)
+        await b.start()
+        try:
+            joined = await b.join("http://x")
+            assert joined.url == "http://x" and await b.join("http://x") == joined  # idempotent
+            stream = await b.submit("r1", "coder", PROMPT, SamplingParams(max_tokens=2))
+            return [ev async for ev in stream], [m.url for m in b.members if m.alive]
+        finally:
+            await b.stop()
+
+    events, alive = asyncio.run(go())
+    assert [e.token_id for e in events] == [7, 8]
+    assert alive == ["http://x"]
