@@ -8,8 +8,9 @@ Per task, accuracy on a held-out split of:
 4. ``cache``     the cache-conditioned LoRA module served from the base's KV (agentshare);
 5. ``full``      a cache-conditioned full module from the base's KV (``--full``).
 
-Paired bootstrap intervals for (4)-(2) and (3)-(2) on the same examples. Modules and results are
-kept under ``--out``; a rerun skips what is done (so a long run can be resumed task by task)::
+Paired bootstrap intervals for (4)-(2) and (3)-(2) on the same examples. With ``--engine`` the
+base, standard and cache-conditioned arms are evaluated again through the serving engine (bf16).
+Modules and results are kept under ``--out``; a rerun skips what is done (so a long run can be resumed task by task)::
 
     OMP_NUM_THREADS=1 python benchmarks/fidelity.py --tasks retrieval --train 800 --eval 300 \\
         --out runs/fidelity --threads 1 --autocast
@@ -30,7 +31,14 @@ import torch
 from server.models.loader import default_model_dir
 from server.modules.manifest import ModuleKind
 from server.training.dataset import parse_row, write_jsonl
-from server.training.evaluate import Arm, accuracy, answers, load_split, paired_bootstrap
+from server.training.evaluate import (
+    Arm,
+    accuracy,
+    answers,
+    engine_answers,
+    load_split,
+    paired_bootstrap,
+)
 from server.training.tasks import Difficulty, generate
 from server.training.trainer import FinetuneConfig, finetune
 
@@ -95,6 +103,33 @@ def run_task(task: str, a: argparse.Namespace, base: Path) -> dict:
     return res
 
 
+def run_engine(task: str, a: argparse.Namespace, base: Path) -> dict:
+    """The arms again, through the serving engine (bf16, as the modules' family says): the base,
+    the standard module (no manifest: its own prefill) and the cache-conditioned one (the
+    base's shared prefill). Stored in the task's result under ``engine``."""
+    d = Path(a.out) / task
+    res = json.loads((d / "result.json").read_text())
+    if "engine" in res:
+        return res
+    held = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+    examples = [parse_row(r, line=i + 1) for i, r in enumerate(held)]
+    modules = {name: d / name for name in ("standard", "cache", "full") if (d / name / "training.json").is_file()}
+    t0 = time.perf_counter()
+    preds = engine_answers(base, modules, examples, dtype="bfloat16", max_new_tokens=MAX_NEW[task],
+                           threads=a.threads, progress=not a.quiet)
+    correct = {k: accuracy(task, v, examples) for k, v in preds.items()}
+    ref = json.loads((d / "predictions.json").read_text())
+    res["engine"] = {
+        "accuracy": {k: sum(v) / len(v) for k, v in correct.items()},
+        "cache_minus_standard": paired_bootstrap(correct["cache"], correct["standard"]),
+        "agreement_with_reference": {k: sum(x == y for x, y in zip(v, ref["predictions"][k], strict=True)) / len(v)
+                                     for k, v in preds.items() if k in ref["predictions"]},
+        "eval_seconds": round(time.perf_counter() - t0, 1),
+    }
+    (d / "result.json").write_text(json.dumps(res, indent=2))
+    return res
+
+
 def run_curve(task: str, a: argparse.Namespace, base: Path) -> dict:
     """Accuracy vs k (top layers whose prefix KV the module recomputes), eval only, paired to (2)."""
     d = Path(a.out) / task
@@ -154,12 +189,15 @@ def main() -> None:
     p.add_argument("--base", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", default="runs/fidelity")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--engine", action="store_true", help="also evaluate the arms through the serving engine")
     p.add_argument("--curve", default="", help="k values (e.g. 2,8,15): partial-recompute curve")
     p.add_argument("--curve-modules", nargs="+", default=["standard", "cache"])
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     base = Path(a.base) if a.base else default_model_dir()
     results = [run_task(t, a, base) for t in a.tasks.split(",")]
+    if a.engine:
+        results = [run_engine(r["task"], a, base) for r in results]
     curves = {t: run_curve(t, a, base) for t in a.tasks.split(",")} if a.curve else {}
     summary = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                            "cores_visible": os.cpu_count(), "torch": torch.__version__,
@@ -170,6 +208,10 @@ def main() -> None:
         acc = r["accuracy"]
         print(r["task"], " ".join(f"{k}={v:.3f}" for k, v in acc.items()),
               "cache-standard={diff:+.3f} [{lo:+.3f},{hi:+.3f}]".format(**r["cache_minus_standard"]))
+        if "engine" in r:
+            e = r["engine"]
+            print(f"{r['task']} (engine)", " ".join(f"{k}={v:.3f}" for k, v in e["accuracy"].items()),
+                  "cache-standard={diff:+.3f} [{lo:+.3f},{hi:+.3f}]".format(**e["cache_minus_standard"]))
 
 
 if __name__ == "__main__":

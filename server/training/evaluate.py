@@ -1,8 +1,14 @@
-"""Evaluate decode modules through the reference path: greedy answers, scores, paired intervals.
+"""Evaluate decode modules: greedy answers, scores, paired intervals.
 
-Several *arms* (a module + whether it decodes from the base's shared prefill or its own) are
-run over the same held-out examples. Arms that share compute the base prefix KV once per batch
-and each continues from a copy of it — the serving situation the fidelity table measures.
+Two paths over the same held-out examples:
+
+- :func:`answers`, the transformers reference path. Several *arms* (a module + whether it decodes
+  from the base's shared prefill or its own) run; arms that share compute the base prefix KV
+  once per batch and each continues from a copy of it.
+- :func:`engine_answers`, the serving engine itself: every module loaded into one engine, every
+  example submitted as a request. A module with a manifest of the engine's family decodes from
+  the base's shared prefill; one without (a standard fine-tune) gets a private prefill. This is
+  what a user of the server gets.
 
 >>> paired_bootstrap([True, True, False, True], [True, False, False, True], seed=0)["diff"]
 0.25
@@ -80,6 +86,42 @@ def answers(arms: Mapping[str, Arm], examples: Sequence[Example], tokenizer: Any
     for name in arms:
         out[name] = [results[name][i] for i in range(len(examples))]
     return out
+
+
+def engine_answers(
+    base: Path | str, modules: Mapping[str, Path | str], examples: Sequence[Example], *,
+    dtype: str = "bfloat16", max_new_tokens: int = 32, threads: int | None = None,
+    kv_cache_bytes: int = 2 << 30, include_base: bool = True, progress: bool = False,
+) -> dict[str, list[str]]:
+    """Greedy answers through the engine, by module name (``"base"`` too with ``include_base``).
+
+    The engine's dtype is part of the family (DESIGN §2): a module trained for a bf16 KV shares
+    the prefill only in a bf16 engine; in another it is served privately, as a foreign module.
+    """
+    from server.engine.build import load_engine
+    from server.engine.core import EngineConfig
+    from server.engine.sampling import SamplingParams
+    from server.training.dataset import prompt_of
+
+    core = load_engine(base, modules=dict(modules), dtype=dtype, threads=threads,
+                       config=EngineConfig(kv_cache_bytes=kv_cache_bytes))
+    names = (["base"] if include_base else []) + list(modules)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    texts: dict[str, list[str]] = {}
+    for i, ex in enumerate(examples):
+        prompt = prompt_of(core.tokenizer, ex)
+        for name in names:
+            core.add_request(f"{name}\x00{i}", name, prompt, params)
+            texts[f"{name}\x00{i}"] = []
+    bar = tqdm(total=len(texts), desc="evaluate (engine)", disable=not progress)
+    while core.has_work:
+        for ev in core.step():
+            texts[ev.request_id].append(ev.text)
+            if ev.error:
+                raise RuntimeError(f"request {ev.request_id!r} failed in the engine: {ev.error}")
+            bar.update(ev.finish_reason is not None)
+    bar.close()
+    return {name: ["".join(texts[f"{name}\x00{i}"]) for i in range(len(examples))] for name in names}
 
 
 def accuracy(task: str, predictions: Sequence[str], examples: Sequence[Example]) -> list[bool]:
