@@ -1,11 +1,23 @@
-"""KV transfer between processes and hosts, for disaggregated prefill and decode.
+"""Disaggregated serving: prefill and decode workers in separate processes, a router in front,
+KV moved between them (docs/cluster.md).
 
 ::
 
-    prefill: encode(KVChunk) ─▶ Frame ─▶ KVSender ═ tcp:// inline payload ══▶ KVReceiver
-                                                  ═ shm:// /dev/shm files ══▶   └▶ handler.on_frame
-                                                                                    └▶ decode()
+    router (the API's Backend)                     prefill worker           decode worker
+    place(request, snapshot) ── /internal/kv/expect ──────────────────────▶ Inbound: blocks COMPUTING
+                             ── /internal/prefill ──▶ Outbound: add_context,
+                                                      ship committed blocks ═▶ KVReceiver ─▶ write, commit
+                             ── /internal/generate ───────────────────────▶ the request waits on them
+           ◀── NDJSON TokenEvents ─────────────────────────────────────────────────────┘
 
+    router.py     ClusterBackend: routing with server.policy, transfers, retries; RouterConfig
+    members.py    Member (a worker as the router sees it), facts_of, check_worker
+    stream.py     ClusterStream: a request's events, replaced before its first token if its worker dies
+    metrics.py    the router's Prometheus figures
+    worker.py     Worker: a worker process's internal API (prefill or decode role), injected faults
+    handoff.py    Outbound / Inbound: export and import KV blocks on the engine thread
+    launch.py     LocalCluster, plan_workers, and the worker / router / serve --disaggregated entry points
+    messages.py   the internal API's bodies (pydantic); engine errors across the wire
     codec.py      Codec (fp32, bf16, int8 per block), KVChunk, Frame, encode/decode, is_lossy
     wire.py       frame layout on a byte stream (MAGIC, VERSION), LinkStats
     tcp.py        TCPSender: one transfer over one TCP connection

@@ -28,24 +28,23 @@ import itertools
 import logging
 import time
 import uuid
-from urllib.parse import urlsplit
 from collections import Counter as Tally
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Sequence
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import torch
 from fastapi import APIRouter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from fastapi.responses import JSONResponse
 
 from server.api.backend import CacheReport, EventSource
 from server.api.metrics import EngineSnapshot
 from server.api.state import AgentCard, EngineFacts
 from server.cluster.codec import Codec, is_lossy
+from server.cluster.members import Member, WorkerDown, check_worker, facts_of
 from server.cluster.messages import (
     Cached,
     Context,
@@ -66,6 +65,8 @@ from server.cluster.messages import (
     WorkerInfo,
     WorkerStats,
 )
+from server.cluster.metrics import RouterCollector
+from server.cluster.stream import ClusterStream
 from server.engine.errors import InvalidRequest, Unavailable, UnknownModule
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, TokenEvent
@@ -105,31 +106,6 @@ class RouterConfig:
 
 
 @dataclass(slots=True)
-class Member:
-    """One worker as the router sees it."""
-
-    id: int
-    url: str
-    info: WorkerInfo | None = None
-    alive: bool = False
-    stats: WorkerStats | None = None
-    queued_tokens: int = 0  # prefill work the router has sent and not seen finish
-    queued_bytes: int = 0  # KV on its way out of this (prefill) worker
-    link_bytes_s: float | None = None  # measured, EWMA
-
-    @property
-    def role(self) -> str | None:
-        return None if self.info is None else self.info.role
-
-    def serves(self, module: str) -> bool:
-        return self.info is not None and any(a.name == module for a in self.info.agents)
-
-
-class WorkerDown(Exception):
-    """A worker did not answer (connection refused or dropped)."""
-
-
-@dataclass(slots=True)
 class RouterStats:
     decisions: Tally[str] = field(default_factory=Tally)  # prefill reason -> requests
     retries: int = 0
@@ -158,7 +134,7 @@ class ClusterBackend:
         self._transfers: set[asyncio.Task[None]] = set()
         self._contexts: dict[str, Member] = {}
         self.router = self._routes()
-        self.collector = _RouterCollector(self)
+        self.collector = RouterCollector(self)
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -454,14 +430,7 @@ class ClusterBackend:
             info = WorkerInfo.model_validate((await self._client.get(f"{member.url}/internal/info", timeout=5.0)).json())
         except httpx.HTTPError as exc:
             raise WorkerDown(f"{member.url}: {exc}") from exc
-        if info.family != self.facts.family:
-            raise InvalidRequest(f"worker {member.url} serves family {info.family[:12]}, this cluster "
-                                 f"{self.facts.family[:12]}: a worker must run the cluster's base model and KV dtype")
-        if info.role == "decode":
-            unknown = [a.name for a in info.agents if a.name not in self.facts.agents]
-            if unknown:
-                raise InvalidRequest(f"worker {member.url} serves agents {unknown} the router does not know; "
-                                     "restart the router with them")
+        check_worker(info, self.facts)
         member.info, member.alive = info, True
 
     async def join(self, url: str) -> WorkerInfo:
@@ -507,62 +476,6 @@ class ClusterBackend:
         return r
 
 
-class ClusterStream:
-    """A request's events from its decode worker. Before the first token a dead worker is
-    replaced (the request is resubmitted elsewhere); after it, the request ends with an error."""
-
-    def __init__(
-        self, request_id: str, response: httpx.Response, member: Member,
-        resubmit: Callable[[], Any], down: Callable[[Member, BaseException], None], stats: RouterStats,
-    ) -> None:
-        self.request_id, self._response, self._member = request_id, response, member
-        self._resubmit, self._down, self._stats = resubmit, down, stats
-        self.finished = False
-        self._tokens = 0
-        self._lines: AsyncIterator[str] | None = None
-
-    def __aiter__(self) -> ClusterStream:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self.finished:
-            raise StopAsyncIteration
-        while True:
-            if self._lines is None:
-                self._lines = self._response.aiter_lines()
-            try:
-                line = await anext(self._lines)
-            except (httpx.TransportError, StopAsyncIteration) as exc:
-                await self._response.aclose()
-                self._down(self._member, exc if isinstance(exc, httpx.TransportError) else WorkerDown("stream ended"))
-                if self._tokens == 0:  # nothing reached the client: run it elsewhere
-                    self._stats.retries += 1
-                    try:
-                        self._response, self._member = await self._resubmit()
-                    except Exception as err:
-                        self.finished = True
-                        return TokenEvent(self.request_id, None, "", finish_reason=FinishReason.ERROR,
-                                          error=f"no decode worker could finish the request: {err}")
-                    self._lines = None
-                    continue
-                self.finished = True
-                return TokenEvent(self.request_id, None, "", finish_reason=FinishReason.ERROR,
-                                  error=f"decode worker {self._member.url} failed after {self._tokens} tokens")
-            if not line:
-                continue
-            ev = Event.model_validate_json(line).event(self.request_id)
-            self._tokens += ev.token_id is not None
-            if ev.finish_reason is not None:
-                self.finished = True
-                await self._response.aclose()
-            return ev
-
-    def cancel(self) -> None:
-        if not self.finished:
-            self.finished = True
-            asyncio.ensure_future(self._response.aclose())  # the worker sees the disconnect and frees the KV
-
-
 def invocation_point(card: AgentCard, prompt: Prompt) -> int:
     """The engine's rule (``EngineCore._layout``) from the router's side: where the module's own
     positions start. The base computes everything; a foreign module too (IP 0)."""
@@ -573,66 +486,8 @@ def invocation_point(card: AgentCard, prompt: Prompt) -> int:
     return prompt.invocation_point(Placement(card.placement))
 
 
-def facts_of(infos: Sequence[WorkerInfo], tokenizer: Any) -> EngineFacts:
-    """The API's facts from the workers' own: one family, one block size, every decode agent."""
-    if not infos:
-        raise ValueError("a cluster needs at least one worker")
-    families = {i.family for i in infos}
-    if len(families) > 1:
-        raise InvalidRequest(f"workers serve different families {sorted(f[:12] for f in families)}: one cluster "
-                             "runs one base model in one KV dtype")
-    if not any(i.role == "decode" for i in infos):
-        raise InvalidRequest("a cluster needs at least one decode worker")
-    agents: dict[str, AgentCard] = {}
-    for info in infos:
-        if info.role != "decode":
-            continue
-        for a in info.agents:
-            card = AgentCard(a.name, a.kind, a.family, a.shares_prefill, a.placement, a.reason)
-            if agents.setdefault(a.name, card) != card:
-                raise InvalidRequest(f"agent {a.name!r} is served with different modules by different workers")
-    first = infos[0]
-    return EngineFacts(first.family, agents, tokenizer, first.block_size, min(i.max_context for i in infos))
-
-
 def _remote(response: httpx.Response) -> Exception:
     try:
         return RemoteError.model_validate(response.json()).exception()
     except ValueError:
         return RemoteError(kind="WorkerError", message=f"HTTP {response.status_code}: {response.text[:200]}").exception()
-
-
-class _RouterCollector(Collector):
-    """Routing decisions by reason, KV moved between workers, workers up and down.
-
-    KV figures are the workers' own counters as of the last health check (at most
-    ``health_interval`` old)."""
-
-    def __init__(self, backend: ClusterBackend) -> None:
-        self.backend = backend
-
-    def collect(self) -> Iterator[Metric]:
-        b = self.backend
-        decisions = CounterMetricFamily("agentshare_route_decisions", "Requests routed, by where their shared "
-                                        "prefix was prefilled and why (server.policy PrefillReason)", labels=["reason"])
-        for reason, n in sorted(b.stats.decisions.items()):
-            decisions.add_metric([reason], n)
-        yield decisions
-        moved = CounterMetricFamily("agentshare_kv_transfer_bytes", "KV bytes sent by prefill workers", labels=["link"])
-        seconds = CounterMetricFamily("agentshare_kv_transfer_seconds", "Time moving KV", labels=["link"])
-        for m in b.members:
-            if m.stats is not None:
-                for link, fig in m.stats.sent.items():
-                    moved.add_metric([f"{m.url}->{link}"], fig.bytes)
-                    seconds.add_metric([f"{m.url}->{link}"], fig.seconds)
-        yield moved
-        yield seconds
-        yield CounterMetricFamily("agentshare_kv_transfer_failures", "Transfers that failed (recomputed by the "
-                                  "decode worker)", value=b.stats.transfer_failures)
-        yield CounterMetricFamily("agentshare_route_retries", "Requests moved to another decode worker",
-                                  value=b.stats.retries)
-        workers = GaugeMetricFamily("agentshare_workers", "Workers by role and state", labels=["role", "state"])
-        for role in ("prefill", "decode"):
-            for state, alive in (("up", True), ("down", False)):
-                workers.add_metric([role, state], sum(1 for m in b.members if m.role == role and m.alive is alive))
-        yield workers

@@ -22,9 +22,9 @@ import asyncio
 import logging
 import os
 import time
-from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import APIRouter, Request

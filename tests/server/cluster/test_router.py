@@ -12,8 +12,9 @@ import pytest
 
 from agentshare.protocol import AgentInfo
 from server.api.state import AgentCard, EngineFacts
+from server.cluster.members import Member, facts_of
 from server.cluster.messages import WorkerInfo, WorkerStats
-from server.cluster.router import ClusterBackend, Member, RouterConfig, facts_of
+from server.cluster.router import ClusterBackend, RouterConfig
 from server.engine.errors import InvalidRequest, Unavailable
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
