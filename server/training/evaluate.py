@@ -103,9 +103,9 @@ def engine_answers(
     from server.engine.sampling import SamplingParams
     from server.training.dataset import prompt_of
 
-    core = load_engine(base, modules=dict(modules), dtype=dtype, threads=threads,
-                       config=EngineConfig(kv_cache_bytes=kv_cache_bytes))
     names = (["base"] if include_base else []) + list(modules)
+    config = EngineConfig(kv_cache_bytes=kv_cache_bytes, max_waiting=len(examples) * len(names) + 1)
+    core = load_engine(base, modules=dict(modules), dtype=dtype, threads=threads, config=config)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     texts: dict[str, list[str]] = {}
     for i, ex in enumerate(examples):
