@@ -130,6 +130,44 @@ def run_engine(task: str, a: argparse.Namespace, base: Path) -> dict:
     return res
 
 
+def run_trained_recompute(task: str, a: argparse.Namespace, base: Path) -> dict:
+    """Cache-conditioned LoRA modules trained *with* partial recompute of their top k layers
+    (``FinetuneConfig(recompute=k)``), evaluated on the reference path, paired to (2) and (4)."""
+    d = Path(a.out) / task
+    path = d / "trained_recompute.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    held = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+    examples = [parse_row(r, line=i + 1) for i, r in enumerate(held)]
+    ref = json.loads((d / "predictions.json").read_text())["correct"]
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    for k in (int(x) for x in a.train_recompute.split(",")):
+        if str(k) in done:
+            continue
+        out = d / f"cache-rc{k}"
+        if not (out / "training.json").is_file():
+            finetune(FinetuneConfig(
+                output=out, name=f"{task}-cache-rc{k}", kind=ModuleKind.LORA, cache_conditioned=True, recompute=k,
+                base=base, data=d / "train.jsonl", rank=a.rank, alpha=a.alpha, target_modules=tuple(a.targets),
+                epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, seed=a.seed, autocast=a.autocast,
+                kv_dtype="bfloat16", threads=a.threads, progress=not a.quiet))
+        trained = json.loads((out / "training.json").read_text())
+        t0 = time.perf_counter()
+        arm = Arm(load_split(base, out, autocast=a.autocast, recompute=k), shared=True)
+        ok = accuracy(task, answers({"rc": arm}, examples, tok, batch_size=a.eval_batch,
+                                    max_new_tokens=MAX_NEW[task])["rc"], examples)
+        done[str(k)] = {"k": k, "layers": layers, "prefill_saved": round(1 - k / layers, 4),
+                        "accuracy": sum(ok) / len(ok), "minus_standard": paired_bootstrap(ok, ref["standard"]),
+                        "minus_cache": paired_bootstrap(ok, ref["cache"]),
+                        "training": {x: trained[x] for x in ("steps", "seconds", "final_loss")},
+                        "eval_seconds": round(time.perf_counter() - t0, 1)}
+        path.write_text(json.dumps(done, indent=2))
+        print(task, f"trained recompute k={k}", f"acc={done[str(k)]['accuracy']:.3f}", flush=True)
+    return done
+
+
 def run_curve(task: str, a: argparse.Namespace, base: Path) -> dict:
     """Accuracy vs k (top layers whose prefix KV the module recomputes), eval only, paired to (2)."""
     d = Path(a.out) / task
@@ -192,6 +230,8 @@ def main() -> None:
     p.add_argument("--engine", action="store_true", help="also evaluate the arms through the serving engine")
     p.add_argument("--curve", default="", help="k values (e.g. 2,8,15): partial-recompute curve")
     p.add_argument("--curve-modules", nargs="+", default=["standard", "cache"])
+    p.add_argument("--train-recompute", default="",
+                   help="k values (e.g. 8,15): train cache-conditioned modules that recompute their top k layers")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     base = Path(a.base) if a.base else default_model_dir()
@@ -199,10 +239,12 @@ def main() -> None:
     if a.engine:
         results = [run_engine(r["task"], a, base) for r in results]
     curves = {t: run_curve(t, a, base) for t in a.tasks.split(",")} if a.curve else {}
+    trained_curves = ({t: run_trained_recompute(t, a, base) for t in a.tasks.split(",")}
+                      if a.train_recompute else {})
     summary = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                            "cores_visible": os.cpu_count(), "torch": torch.__version__,
                            "autocast_bf16": a.autocast},
-               "args": vars(a), "results": results, "curves": curves}
+               "args": vars(a), "results": results, "curves": curves, "trained_recompute": trained_curves}
     Path(a.out, "fidelity.json").write_text(json.dumps(summary, indent=2))
     for r in results:
         acc = r["accuracy"]
