@@ -103,6 +103,12 @@ def run_task(task: str, a: argparse.Namespace, base: Path) -> dict:
     return res
 
 
+def held_out(d: Path) -> list:
+    """The task's held-out examples, as written by :func:`run_task`."""
+    rows = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+    return [parse_row(r, line=i + 1) for i, r in enumerate(rows)]
+
+
 def run_engine(task: str, a: argparse.Namespace, base: Path) -> dict:
     """The arms again, through the serving engine (bf16, as the modules' family says): the base,
     the standard module (no manifest: its own prefill) and the cache-conditioned one (the
@@ -111,8 +117,7 @@ def run_engine(task: str, a: argparse.Namespace, base: Path) -> dict:
     res = json.loads((d / "result.json").read_text())
     if "engine" in res:
         return res
-    held = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
-    examples = [parse_row(r, line=i + 1) for i, r in enumerate(held)]
+    examples = held_out(d)
     modules = {name: d / name for name in ("standard", "cache", "full") if (d / name / "training.json").is_file()}
     t0 = time.perf_counter()
     preds = engine_answers(base, modules, examples, dtype="bfloat16", max_new_tokens=MAX_NEW[task],
@@ -139,8 +144,7 @@ def run_trained_recompute(task: str, a: argparse.Namespace, base: Path) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base)
-    held = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
-    examples = [parse_row(r, line=i + 1) for i, r in enumerate(held)]
+    examples = held_out(d)
     ref = json.loads((d / "predictions.json").read_text())["correct"]
     layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
     for k in (int(x) for x in a.train_recompute.split(",")):
@@ -176,8 +180,7 @@ def run_curve(task: str, a: argparse.Namespace, base: Path) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base)
-    held = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
-    examples = [parse_row(r, line=i + 1) for i, r in enumerate(held)]
+    examples = held_out(d)
     ref = json.loads((d / "predictions.json").read_text())["correct"]["standard"]
     layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
     for module in a.curve_modules:
