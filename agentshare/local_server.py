@@ -43,13 +43,16 @@ def _stop_all_at_exit() -> None:
 atexit.register(_stop_all_at_exit)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the caller binds it soon after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """In a child, between fork and exec: get SIGTERM when the parent dies, however it dies
+    (Linux), so no orphan keeps a port and its memory."""
     try:
         import ctypes
 
@@ -84,7 +87,7 @@ class LocalServer:
             # Popen returns at once (fork + exec); preexec_fn only sets PR_SET_PDEATHSIG in the child
             self.process = subprocess.Popen(  # noqa: ASYNC220
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
             )
         _live.add(self)
         deadline = time.monotonic() + self.startup_timeout

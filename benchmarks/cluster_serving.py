@@ -65,7 +65,7 @@ try:  # run as a script (benchmarks/ is sys.path[0]) or as ``python -m benchmark
 except ImportError:
     from benchmarks.engine_sharing import make_loras
 
-from server.cluster.launch import free_port
+from agentshare.local_server import free_port
 from server.engine.numerics import dtype_name, resolve_dtype
 from server.kv.family import family_digest
 from server.models.loader import default_model_dir

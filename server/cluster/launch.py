@@ -15,11 +15,9 @@ cores with OpenMP threads that spin against each other (DESIGN §4).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +28,7 @@ from typing import IO
 
 import httpx
 
+from agentshare.local_server import die_with_parent, free_port
 from server.api.config import ServerConfig
 from server.cluster.messages import Role
 from server.cluster.router import RouterConfig
@@ -73,12 +72,6 @@ def plan_workers(
         cpus = tuple(range(i * each, (i + 1) * each)) if own_cores else ()
         specs.append(WorkerSpec(role=role, modules=mods, threads=each, cpus=cpus))
     return specs
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(slots=True)
@@ -139,7 +132,7 @@ class LocalCluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             p.log = open(self.log_dir / f"worker-{index}-{p.spec.role}.log", "ab")  # noqa: SIM115 (closed in stop)
         p.proc = subprocess.Popen(p.args, env=environ, stdout=p.log, stderr=subprocess.STDOUT if p.log else None,
-                                  preexec_fn=_die_with_parent)
+                                  preexec_fn=die_with_parent)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -286,15 +279,6 @@ def _router_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _die_with_parent() -> None:
-    """In a worker, before exec: get SIGTERM when the launching process dies, however it dies
-    (Linux), so a crashed launcher leaves no orphans holding ports and memory."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: LocalCluster.stop() still stops them on a clean exit
 
 
 def _fields(config: ServerConfig) -> dict[str, object]:

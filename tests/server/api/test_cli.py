@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,11 +12,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from agentshare.local_server import free_port
 
 
 def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from agentshare.local_server import free_port
 from server.api.config import ServerConfig
-from server.cluster.launch import LocalCluster, WorkerSpec, free_port
+from server.cluster.launch import LocalCluster, WorkerSpec
 
 AGENTS = ("coder", "planner")
 

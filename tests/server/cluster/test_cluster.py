@@ -227,7 +227,7 @@ def test_serve_disaggregated_starts_a_working_set_with_one_command_and_stops_it(
 
     import psutil
 
-    from server.cluster.launch import free_port
+    from agentshare.local_server import free_port
 
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
