@@ -19,6 +19,7 @@ Modules and results are kept under ``--out``; a rerun skips what is done (so a l
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -39,7 +40,7 @@ from server.training.evaluate import (
     load_split,
     paired_bootstrap,
 )
-from server.training.tasks import Difficulty, generate
+from server.training.tasks import KEYS, Difficulty, generate, retrieval_error
 from server.training.trainer import FinetuneConfig, finetune
 
 MAX_NEW = {"retrieval": 12, "planning": 8, "tool": 48}
@@ -51,7 +52,7 @@ def run_task(task: str, a: argparse.Namespace, base: Path) -> dict:
     result_path = d / "result.json"
     if result_path.is_file():
         return json.loads(result_path.read_text())
-    diff = Difficulty(records=a.records, chains=a.chains, chain_length=a.chain_length, tools=a.tools)
+    diff = Difficulty(records=a.records, chains=a.chains, chain_length=a.chain_length, tools=a.tools, key=a.key)
     train = write_jsonl(generate(task, a.train, seed=0, difficulty=diff), d / "train.jsonl")
     held = generate(task, a.eval, seed=1, difficulty=diff)
     write_jsonl(held, d / "eval.jsonl")
@@ -109,6 +110,21 @@ def held_out(d: Path) -> list:
     return [parse_row(r, line=i + 1) for i, r in enumerate(rows)]
 
 
+def error_kinds(task: str, a: argparse.Namespace) -> dict:
+    """Retrieval only: each arm's wrong answers by kind (:func:`server.training.tasks.retrieval_error`),
+    from the stored predictions; kept in the task's result under ``errors``."""
+    d = Path(a.out) / task
+    res = json.loads((d / "result.json").read_text())
+    if task != "retrieval" or "errors" in res:
+        return res
+    rows = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+    preds = json.loads((d / "predictions.json").read_text())["predictions"]
+    res["errors"] = {arm: dict(collections.Counter(k for k in (retrieval_error(r, p) for r, p in zip(rows, v, strict=True)) if k))
+                     for arm, v in preds.items()}
+    (d / "result.json").write_text(json.dumps(res, indent=2))
+    return res
+
+
 def run_engine(task: str, a: argparse.Namespace, base: Path) -> dict:
     """The arms again, through the serving engine (bf16, as the modules' family says): the base,
     the standard module (no manifest: its own prefill) and the cache-conditioned one (the
@@ -137,7 +153,9 @@ def run_engine(task: str, a: argparse.Namespace, base: Path) -> dict:
 
 def run_trained_recompute(task: str, a: argparse.Namespace, base: Path) -> dict:
     """Cache-conditioned LoRA modules trained *with* partial recompute of their top k layers
-    (``FinetuneConfig(recompute=k)``), evaluated on the reference path, paired to (2) and (4)."""
+    (``FinetuneConfig(recompute=k)``), evaluated on the reference path, paired to (2) and (4).
+    With ``--layer-split`` the module also tunes only those k layers (``layers=k``): below the
+    split every position is the base's."""
     d = Path(a.out) / task
     path = d / "trained_recompute.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
@@ -147,13 +165,16 @@ def run_trained_recompute(task: str, a: argparse.Namespace, base: Path) -> dict:
     examples = held_out(d)
     ref = json.loads((d / "predictions.json").read_text())["correct"]
     layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    suffix = "-split" if a.layer_split else ""
     for k in (int(x) for x in a.train_recompute.split(",")):
-        if str(k) in done:
+        key = f"{k}{suffix}"
+        if key in done:
             continue
-        out = d / f"cache-rc{k}"
+        out = d / f"cache-rc{k}{suffix}"
         if not (out / "training.json").is_file():
             finetune(FinetuneConfig(
-                output=out, name=f"{task}-cache-rc{k}", kind=ModuleKind.LORA, cache_conditioned=True, recompute=k,
+                output=out, name=f"{task}-cache-rc{k}{suffix}", kind=ModuleKind.LORA, cache_conditioned=True,
+                recompute=k, layers=k if a.layer_split else 0,
                 base=base, data=d / "train.jsonl", rank=a.rank, alpha=a.alpha, target_modules=tuple(a.targets),
                 epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, seed=a.seed, autocast=a.autocast,
                 kv_dtype="bfloat16", threads=a.threads, progress=not a.quiet))
@@ -162,13 +183,14 @@ def run_trained_recompute(task: str, a: argparse.Namespace, base: Path) -> dict:
         arm = Arm(load_split(base, out, autocast=a.autocast, recompute=k), shared=True)
         ok = accuracy(task, answers({"rc": arm}, examples, tok, batch_size=a.eval_batch,
                                     max_new_tokens=MAX_NEW[task])["rc"], examples)
-        done[str(k)] = {"k": k, "layers": layers, "prefill_saved": round(1 - k / layers, 4),
-                        "accuracy": sum(ok) / len(ok), "minus_standard": paired_bootstrap(ok, ref["standard"]),
-                        "minus_cache": paired_bootstrap(ok, ref["cache"]),
-                        "training": {x: trained[x] for x in ("steps", "seconds", "final_loss")},
-                        "eval_seconds": round(time.perf_counter() - t0, 1)}
+        done[key] = {"k": k, "layers": layers, "tuned_layers": k if a.layer_split else layers,
+                     "prefill_saved": round(1 - k / layers, 4),
+                     "accuracy": sum(ok) / len(ok), "minus_standard": paired_bootstrap(ok, ref["standard"]),
+                     "minus_cache": paired_bootstrap(ok, ref["cache"]),
+                     "training": {x: trained[x] for x in ("steps", "seconds", "final_loss")},
+                     "eval_seconds": round(time.perf_counter() - t0, 1)}
         path.write_text(json.dumps(done, indent=2))
-        print(task, f"trained recompute k={k}", f"acc={done[str(k)]['accuracy']:.3f}", flush=True)
+        print(task, f"trained recompute k={key}", f"acc={done[key]['accuracy']:.3f}", flush=True)
     return done
 
 
@@ -211,6 +233,8 @@ def main() -> None:
     p.add_argument("--chains", type=int, default=3)
     p.add_argument("--chain-length", type=int, default=3)
     p.add_argument("--tools", type=int, default=3)
+    p.add_argument("--key", default="name", choices=KEYS,
+                   help="how a retrieval question names its record: by name, or by role and team together")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj",
@@ -235,10 +259,13 @@ def main() -> None:
     p.add_argument("--curve-modules", nargs="+", default=["standard", "cache"])
     p.add_argument("--train-recompute", default="",
                    help="k values (e.g. 8,15): train cache-conditioned modules that recompute their top k layers")
+    p.add_argument("--layer-split", action="store_true",
+                   help="with --train-recompute: the modules tune only their top k layers (the layer split)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     base = Path(a.base) if a.base else default_model_dir()
     results = [run_task(t, a, base) for t in a.tasks.split(",")]
+    results = [error_kinds(r["task"], a) for r in results]
     if a.engine:
         results = [run_engine(r["task"], a, base) for r in results]
     curves = {t: run_curve(t, a, base) for t in a.tasks.split(",")} if a.curve else {}
@@ -253,6 +280,8 @@ def main() -> None:
         acc = r["accuracy"]
         print(r["task"], " ".join(f"{k}={v:.3f}" for k, v in acc.items()),
               "cache-standard={diff:+.3f} [{lo:+.3f},{hi:+.3f}]".format(**r["cache_minus_standard"]))
+        for arm, kinds in r.get("errors", {}).items():
+            print(f"{r['task']} {arm} errors:", ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) or "none")
         if "engine" in r:
             e = r["engine"]
             print(f"{r['task']} (engine)", " ".join(f"{k}={v:.3f}" for k, v in e["accuracy"].items()),

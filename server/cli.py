@@ -41,6 +41,7 @@ def finetune(
     bf16: bool = typer.Option(False, help="bf16 autocast matmuls (faster on CPUs with AMX)"),
     checkpoint_every: int = typer.Option(50), threads: int | None = typer.Option(None),
     standard: bool = typer.Option(False, help="train on the module's own prefill (no sharing, no manifest)"),
+    layers: int = typer.Option(0, help="tune only the top N layers; the ones below stay the base's (0: all)"),
 ) -> None:
     """Fine-tune a decode module on the base model's KV (cache-conditioned); write it with its manifest."""
     from server.training.command import run_finetune

@@ -19,10 +19,16 @@ from typing import Any
 from server.modules.manifest import ManifestError, ModuleKind
 from server.prompt import Placement
 from server.training.dataset import DataError
-from server.training.trainer import DEFAULT_TARGETS, FamilyMismatch, FinetuneConfig, finetune
+from server.training.trainer import (
+    DEFAULT_TARGETS,
+    BadOption,
+    FamilyMismatch,
+    FinetuneConfig,
+    finetune,
+)
 
 _DIRECT = ("rank", "alpha", "epochs", "batch_size", "lr", "max_length", "seed", "kv_dtype",
-           "family", "checkpoint_every", "threads")
+           "family", "checkpoint_every", "threads", "layers")
 
 
 def config_from_options(opts: Mapping[str, Any]) -> FinetuneConfig:
@@ -51,7 +57,7 @@ def run_finetune(opts: Mapping[str, Any]) -> int:
 
     try:
         result = finetune(config_from_options(opts))
-    except (DataError, FamilyMismatch, ManifestError, FileNotFoundError, ModelLoadError) as exc:
+    except (DataError, BadOption, FamilyMismatch, ManifestError, FileNotFoundError, ModelLoadError) as exc:
         print(f"agentshare finetune: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {result.output} ({result.steps} steps, {result.examples} examples, "

@@ -8,8 +8,9 @@ about it, one task each:
 - ``planning``: the value at the end of a chain of assignments (exact match);
 - ``tool``: a JSON tool call matching one of the schemas (compared as parsed JSON).
 
-Difficulty knobs (:class:`Difficulty`): number of records, chain length and number of chains,
-number of tools. Examples are rows ``{"context", "instruction", "response", "task"}`` — the
+Difficulty knobs (:class:`Difficulty`): number of records, how the question names its record
+(by name, or by two attributes that only together single it out), chain length and number of
+chains, number of tools. Examples are rows ``{"context", "instruction", "response", "task"}`` — the
 JSONL format :mod:`server.training.dataset` reads.
 
 >>> rows = generate("retrieval", 3, seed=1)
@@ -26,6 +27,7 @@ True
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import random
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TASKS = ("retrieval", "planning", "tool")
+KEYS = ("name", "role+team")
 USAGE = """Write train/held-out JSONL files of one task:
 
     python -m server.training.tasks retrieval --train 1000 --held-out 300 --records 8 --out data/
@@ -75,6 +78,10 @@ _WORDS = ("budget", "launch", "invoice", "meeting", "holiday", "review", "contra
 class Difficulty:
     """Size of a scenario: more records, longer/more chains and more tools are harder (and longer).
 
+    ``key``: how a retrieval question names its record — ``"name"`` (its unique name) or
+    ``"role+team"`` (its role and team: each is shared with another record, only the pair is
+    unique, so the lookup needs both).
+
     >>> Difficulty().records, Difficulty(records=4).records
     (10, 4)
     """
@@ -83,6 +90,7 @@ class Difficulty:
     chains: int = 3
     chain_length: int = 3
     tools: int = 4
+    key: str = "name"
 
     def __post_init__(self) -> None:
         if not (1 <= self.records <= len(_FIRST)):
@@ -91,6 +99,10 @@ class Difficulty:
             raise ValueError(f"chains x chain_length must be in 1..{len(_VARS)} variables")
         if not (1 <= self.tools <= len(_TOOLS)):
             raise ValueError(f"tools must be in 1..{len(_TOOLS)}, got {self.tools}")
+        if self.key not in KEYS:
+            raise ValueError(f"key must be one of {', '.join(KEYS)}, got {self.key!r}")
+        if self.key == "role+team" and self.records < 4:
+            raise ValueError(f"key 'role+team' needs at least 4 records, got {self.records}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +124,7 @@ def scenario(rng: random.Random, difficulty: Difficulty = Difficulty()) -> Scena
     >>> s.context.splitlines()[0], sorted(s.questions)
     ('## Records', ['planning', 'retrieval', 'tool'])
     """
-    table, retrieval = _records(rng, difficulty.records)
+    table, retrieval = _records(rng, difficulty.records, difficulty.key)
     assigns, planning = _chains(rng, difficulty.chains, difficulty.chain_length)
     tools, tool = _tools(rng, difficulty.tools, table)
     context = "\n".join(["## Records", *table, "", "## Variables", *assigns, "", "## Tools", *tools])
@@ -152,17 +164,71 @@ def score(task: str, predicted: str, reference: str) -> bool:
     return predicted.strip() == reference.strip()
 
 
-def _records(rng: random.Random, n: int) -> tuple[list[str], tuple[str, str]]:
-    firsts = rng.sample(_FIRST, n)
-    rows = []
-    for first in firsts:
-        rows.append({"name": f"{first} {rng.choice(_LAST)}", "city": rng.choice(_CITY),
-                     "role": rng.choice(_ROLE), "age": str(rng.randint(21, 79)),
-                     "team": rng.choice(_TEAM)})
+def records(context: str) -> list[dict[str, str]]:
+    """The table of a scenario's context, one dict per record (columns name, city, role, age, team)."""
+    lines = context.split("## Records\n")[1].split("\n\n")[0].splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(head, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
+
+
+def retrieval_error(row: dict[str, str], predicted: str) -> str:
+    """What kind of wrong answer ``predicted`` is to retrieval ``row`` ("" when it is right).
+
+    ``other row``: the asked field's value in another record (for a question by role and team:
+    ``row with the role`` / ``row with the team`` when that record shares one of them, or
+    ``row with neither``); ``not in the table`` otherwise.
+
+    >>> row = generate("retrieval", 1, seed=1)[0]
+    >>> retrieval_error(row, row["response"]), retrieval_error(row, "Atlantis")
+    ('', 'not in the table')
+    """
+    if score("retrieval", predicted, row["response"]):
+        return ""
+    q = row["instruction"]
+    field = q.removeprefix("What is the ").split(" of ", 1)[0]
+    value = predicted.strip()
+    others = [r for r in records(row["context"]) if r.get(field) == value]
+    if not others:
+        return "not in the table"
+    if " in team " not in q:
+        return "other row"
+    role, team = q.split(" of the ", 1)[1].split("?")[0].split(" in team ")
+    if any(r["role"] == role for r in others):
+        return "row with the role"
+    if any(r["team"] == team for r in others):
+        return "row with the team"
+    return "row with neither"
+
+
+def _records(rng: random.Random, n: int, key: str = "name") -> tuple[list[str], tuple[str, str]]:
+    # by role+team: roles and teams come from small pools, so each repeats and only pairs single out a row
+    roles = _ROLE if key == "name" else rng.sample(_ROLE, max(2, n // 2))
+    teams = _TEAM if key == "name" else rng.sample(_TEAM, max(2, min(len(_TEAM), n // 2)))
+    while True:
+        firsts = rng.sample(_FIRST, n)
+        rows = []
+        for first in firsts:
+            rows.append({"name": f"{first} {rng.choice(_LAST)}", "city": rng.choice(_CITY),
+                         "role": rng.choice(roles), "age": str(rng.randint(21, 79)),
+                         "team": rng.choice(teams)})
+        if key == "name":
+            break
+        count = collections.Counter
+        by_role, by_team = count(r["role"] for r in rows), count(r["team"] for r in rows)
+        by_pair = count((r["role"], r["team"]) for r in rows)
+        keyed = [r for r in rows
+                 if by_pair[r["role"], r["team"]] == 1 and by_role[r["role"]] > 1 and by_team[r["team"]] > 1]
+        if keyed:
+            break
     lines = ["| name | city | role | age | team |", "|---|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['city']} | {r['role']} | {r['age']} | {r['team']} |" for r in rows]
-    target, field = rng.choice(rows), rng.choice(_FIELDS)
-    question = f"What is the {field} of {target['name']}? Answer with the value only."
+    if key == "name":
+        target, field = rng.choice(rows), rng.choice(_FIELDS)
+        question = f"What is the {field} of {target['name']}? Answer with the value only."
+    else:
+        target, field = rng.choice(keyed), rng.choice(("name", "city", "age"))
+        question = (f"What is the {field} of the {target['role']} in team {target['team']}? "
+                    "Answer with the value only.")
     return lines, (question, target[field])
 
 
@@ -216,9 +282,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=".")
     for knob, default in ((f.name, f.default) for f in dataclasses.fields(Difficulty)):
-        p.add_argument(f"--{knob.replace('_', '-')}", type=int, default=default)
+        p.add_argument(f"--{knob.replace('_', '-')}", type=type(default), default=default,
+                       **({"choices": KEYS} if knob == "key" else {}))
     a = p.parse_args(argv)
-    diff = Difficulty(a.records, a.chains, a.chain_length, a.tools)
+    diff = Difficulty(a.records, a.chains, a.chain_length, a.tools, a.key)
     from pathlib import Path
 
     out = Path(a.out)

@@ -14,6 +14,9 @@ The result is a module directory the engine loads without peft::
 it gets no manifest, so a server gives it a private prefill instead of sharing the base's.
 ``recompute=k`` (experimental) trains a module that recomputes the prefix KV of its top k layers
 from the base's hidden state; the engine cannot serve that yet, so it gets no manifest either.
+``layers=n`` tunes only the top n layers (LoRA on them, or only their weights for a full module):
+the lower layers stay the base's for every position — with ``recompute=n``, the split of the model
+at a layer boundary (lower layers frozen and shared, upper layers task-specific).
 
 >>> cfg = FinetuneConfig(base="m", data="d.jsonl", output="out", name="coder")
 >>> cfg.kind.value, cfg.rank, cfg.placement.value, cfg.cache_conditioned
@@ -50,6 +53,10 @@ class FamilyMismatch(ValueError):
     """The base model is not of the family the user (or an existing manifest) asked for."""
 
 
+class BadOption(ValueError):
+    """An option the base model cannot satisfy (e.g. more layers to tune than it has)."""
+
+
 @dataclass(frozen=True, slots=True)
 class FinetuneConfig:
     """Everything one fine-tuning run needs; its JSON form is recorded in the manifest."""
@@ -75,6 +82,7 @@ class FinetuneConfig:
     family: str | None = None  # refuse a base whose family differs
     autocast: bool = False  # bf16 matmuls on CPU (faster; fp32 master weights)
     recompute: int = 0  # experimental: module recomputes the prefix KV of its top k layers
+    layers: int = 0  # tune only the top n layers (0: all)
     checkpoint_every: int = 50  # steps; 0 = never
     threads: int | None = None
     progress: bool = True
@@ -117,15 +125,22 @@ def finetune(cfg: FinetuneConfig) -> FinetuneResult:
 
     _seed(cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(cfg.base, dtype=torch.float32)
+    tuned = _tuned_layers(cfg, model.config.num_hidden_layers)
     base = None
     if cfg.kind is ModuleKind.LORA:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,
-                                                 target_modules=list(cfg.target_modules)))
+                                                 target_modules=list(cfg.target_modules),
+                                                 layers_to_transform=tuned, layers_pattern="layers" if tuned else None))
     elif cfg.kind is ModuleKind.FULL:
         if cfg.cache_conditioned:
             base = AutoModelForCausalLM.from_pretrained(cfg.base, dtype=torch.float32)
+        if tuned:  # only the top layers learn: everything below them (and the embeddings) stays the base's
+            model.requires_grad_(False)
+            for i in tuned:
+                model.model.layers[i].requires_grad_(True)
+            model.model.norm.requires_grad_(True)
     else:
         raise ValueError(f"cannot fine-tune a module of kind {cfg.kind.value!r}; use lora or full")
     model.train()
@@ -174,6 +189,15 @@ def check_base(base: Path | str, output: Path | str, *, kv_dtype: str, family: s
         raise FamilyMismatch(f"{output} already holds a module of family {existing.family[:12]}…; "
                              f"the base {base} is of family {actual[:12]}…; refusing to overwrite")
     return actual
+
+
+def _tuned_layers(cfg: FinetuneConfig, num_layers: int) -> list[int] | None:
+    """Indices of the layers the module tunes (None: all of them)."""
+    if cfg.layers == 0:
+        return None
+    if not 0 < cfg.layers <= num_layers:
+        raise BadOption(f"layers={cfg.layers}: the base has {num_layers} layers; tune 1..{num_layers} (0: all)")
+    return list(range(num_layers - cfg.layers, num_layers))
 
 
 def _seed(seed: int) -> None:

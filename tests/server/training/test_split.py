@@ -117,3 +117,26 @@ def test_partial_recompute_spans_shared_to_private(models, smollm2_tokenizer):
     ref = SplitModel(m1).prefix(batch)
     for i, (a, b) in enumerate(zip(full.layers, ref.layers)):
         assert torch.equal(a.values, b.values) == (i < n - 1), i  # v_proj is adapted
+
+
+def test_the_layer_split_keeps_the_lower_layers_the_base_s_at_every_position(tiny_model_dir, smollm2_tokenizer):
+    """LoRA on the top layer only, recomputing that layer's prefix: below the split, every
+    position's KV (prefix and suffix) is the base's; at the top layer both differ."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    n = base.config.num_hidden_layers
+    torch.manual_seed(3)
+    top = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "v_proj"], init_lora_weights=False,
+                                    layers_to_transform=[n - 1], layers_pattern="layers")).eval()
+    batch = collate(encode(_rows(3), smollm2_tokenizer), 0)
+    got, want = SplitModel(top, recompute=1).kv(batch), SplitModel(base).kv(batch)
+    P = batch.prefix_len
+    for i, (a, b) in enumerate(zip(got.layers, want.layers)):
+        if i < n - 1:
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), i
+        else:
+            assert not torch.equal(a.keys[:, :, :P], b.keys[:, :, :P])  # the module's own prefix KV
+            assert not torch.equal(a.keys[:, :, P:], b.keys[:, :, P:])

@@ -109,3 +109,28 @@ def test_cli_trains(tiny_model_dir, data, tmp_path):
     assert r.exit_code == 0, r.output
     man = Manifest.read(tmp_path / "o")
     assert man.invocation is Placement.HEADER and man.lora.target_modules == ("q_proj",)
+
+
+def test_layers_tunes_only_the_top_layers(tiny_model_dir, data, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    n = AutoConfig.from_pretrained(tiny_model_dir).num_hidden_layers
+    res = finetune(cfg(tiny_model_dir, data, tmp_path / "top", layers=1, epochs=0.5))
+    tensors = load_file(tmp_path / "top" / "adapter_model.safetensors")
+    assert tensors and {int(k.split(".layers.")[1].split(".")[0]) for k in tensors} == {n - 1}
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    mod = load_module(tmp_path / "top", name="agent", family=res.family, shape=shape, dtype=torch.float32)
+    assert mod.shares_prefill and {layer for layer, _ in mod.deltas} == {n - 1}
+    # a full module: only the top layer's weights (and the final norm) move
+    finetune(cfg(tiny_model_dir, data, tmp_path / "full", kind=ModuleKind.FULL, lr=1e-3, layers=1, epochs=0.5))
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "full").state_dict()
+    moved = {k.split(".")[2] if ".layers." in k else k for k in before if not torch.equal(before[k], after[k])}
+    assert moved == {str(n - 1), "model.norm.weight"}, moved
+
+
+def test_more_layers_than_the_base_has_is_a_clear_error(tiny_model_dir, data, tmp_path):
+    r = CliRunner().invoke(app, ["finetune", str(data), "-o", str(tmp_path / "m"), "--name", "a",
+                                 "--base", str(tiny_model_dir), "--layers", "99"])
+    assert r.exit_code == 2
+    assert "layers=99: the base has 3 layers; tune 1..3 (0: all)" in r.output
