@@ -151,46 +151,81 @@ def run_engine(task: str, a: argparse.Namespace, base: Path) -> dict:
     return res
 
 
+VARIANT_KNOBS = {"lr": float, "rank": int, "alpha": float, "epochs": float, "recompute": int, "layers": int}
+
+
+def parse_variant(text: str) -> dict:
+    """``"lr=3e-3,rank=64"`` -> ``{"lr": 0.003, "rank": 64}`` (FinetuneConfig overrides of a
+    cache-conditioned LoRA module)."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        knob, _, value = part.partition("=")
+        if knob not in VARIANT_KNOBS or not value:
+            raise SystemExit(f"bad variant {text!r}: use knob=value with knobs {', '.join(VARIANT_KNOBS)}")
+        out[knob] = VARIANT_KNOBS[knob](value)
+    return out
+
+
+def train_and_score(task: str, a: argparse.Namespace, base: Path, name: str, overrides: dict) -> dict:
+    """Train a cache-conditioned LoRA module of ``task`` with ``overrides`` (into ``out/task/name``)
+    and score it on the held-out split, paired to arms (2) and (4)."""
+    d = Path(a.out) / task
+    from transformers import AutoTokenizer
+
+    examples = held_out(d)
+    ref = json.loads((d / "predictions.json").read_text())["correct"]
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    out = d / name
+    if not (out / "training.json").is_file():
+        cfg = {"rank": a.rank, "alpha": a.alpha, "epochs": a.epochs, "lr": a.lr, **overrides}
+        finetune(FinetuneConfig(
+            output=out, name=f"{task}-{name}", kind=ModuleKind.LORA, cache_conditioned=True, base=base,
+            data=d / "train.jsonl", target_modules=tuple(a.targets), batch_size=a.batch_size, seed=a.seed,
+            autocast=a.autocast, kv_dtype="bfloat16", threads=a.threads, progress=not a.quiet, **cfg))
+    trained = json.loads((out / "training.json").read_text())
+    k = trained["config"].get("recompute", 0)
+    t0 = time.perf_counter()
+    arm = Arm(load_split(base, out, autocast=a.autocast, recompute=k), shared=True)
+    ok = accuracy(task, answers({name: arm}, examples, AutoTokenizer.from_pretrained(base),
+                                batch_size=a.eval_batch, max_new_tokens=MAX_NEW[task])[name], examples)
+    return {"overrides": overrides, "k": k, "layers": layers,
+            "tuned_layers": trained["config"].get("layers") or layers, "prefill_saved": round(1 - k / layers, 4),
+            "accuracy": sum(ok) / len(ok), "minus_standard": paired_bootstrap(ok, ref["standard"]),
+            "minus_cache": paired_bootstrap(ok, ref["cache"]),
+            "training": {x: trained[x] for x in ("steps", "seconds", "final_loss")},
+            "eval_seconds": round(time.perf_counter() - t0, 1)}
+
+
 def run_trained_recompute(task: str, a: argparse.Namespace, base: Path) -> dict:
     """Cache-conditioned LoRA modules trained *with* partial recompute of their top k layers
     (``FinetuneConfig(recompute=k)``), evaluated on the reference path, paired to (2) and (4).
     With ``--layer-split`` the module also tunes only those k layers (``layers=k``): below the
     split every position is the base's."""
-    d = Path(a.out) / task
-    path = d / "trained_recompute.json"
+    path = Path(a.out) / task / "trained_recompute.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base)
-    examples = held_out(d)
-    ref = json.loads((d / "predictions.json").read_text())["correct"]
-    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
     suffix = "-split" if a.layer_split else ""
     for k in (int(x) for x in a.train_recompute.split(",")):
         key = f"{k}{suffix}"
-        if key in done:
-            continue
-        out = d / f"cache-rc{k}{suffix}"
-        if not (out / "training.json").is_file():
-            finetune(FinetuneConfig(
-                output=out, name=f"{task}-cache-rc{k}{suffix}", kind=ModuleKind.LORA, cache_conditioned=True,
-                recompute=k, layers=k if a.layer_split else 0,
-                base=base, data=d / "train.jsonl", rank=a.rank, alpha=a.alpha, target_modules=tuple(a.targets),
-                epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, seed=a.seed, autocast=a.autocast,
-                kv_dtype="bfloat16", threads=a.threads, progress=not a.quiet))
-        trained = json.loads((out / "training.json").read_text())
-        t0 = time.perf_counter()
-        arm = Arm(load_split(base, out, autocast=a.autocast, recompute=k), shared=True)
-        ok = accuracy(task, answers({"rc": arm}, examples, tok, batch_size=a.eval_batch,
-                                    max_new_tokens=MAX_NEW[task])["rc"], examples)
-        done[key] = {"k": k, "layers": layers, "tuned_layers": k if a.layer_split else layers,
-                     "prefill_saved": round(1 - k / layers, 4),
-                     "accuracy": sum(ok) / len(ok), "minus_standard": paired_bootstrap(ok, ref["standard"]),
-                     "minus_cache": paired_bootstrap(ok, ref["cache"]),
-                     "training": {x: trained[x] for x in ("steps", "seconds", "final_loss")},
-                     "eval_seconds": round(time.perf_counter() - t0, 1)}
-        path.write_text(json.dumps(done, indent=2))
+        if key not in done:
+            overrides = {"recompute": k, **({"layers": k} if a.layer_split else {})}
+            done[key] = train_and_score(task, a, base, f"cache-rc{key}", overrides)
+            path.write_text(json.dumps(done, indent=2))
         print(task, f"trained recompute k={key}", f"acc={done[key]['accuracy']:.3f}", flush=True)
+    return done
+
+
+def run_variants(task: str, a: argparse.Namespace, base: Path) -> dict:
+    """Cache-conditioned LoRA modules with other training settings (``--variant lr=3e-3``), paired
+    to (2) and (4): does more capacity or another learning rate close the gap?"""
+    path = Path(a.out) / task / "variants.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    for text in a.variant:
+        overrides = parse_variant(text)
+        key = ",".join(f"{k}={v}" for k, v in overrides.items())
+        if key not in done:
+            done[key] = train_and_score(task, a, base, "cache-" + key.replace("=", "").replace(",", "-"), overrides)
+            path.write_text(json.dumps(done, indent=2))
+        print(task, f"variant {key}", f"acc={done[key]['accuracy']:.3f}", flush=True)
     return done
 
 
@@ -259,6 +294,9 @@ def main() -> None:
     p.add_argument("--curve-modules", nargs="+", default=["standard", "cache"])
     p.add_argument("--train-recompute", default="",
                    help="k values (e.g. 8,15): train cache-conditioned modules that recompute their top k layers")
+    p.add_argument("--variant", action="append", default=[],
+                   help="a cache-conditioned LoRA with other settings, e.g. lr=3e-3 or rank=64,alpha=128 "
+                        "(repeatable; knobs: " + ", ".join(VARIANT_KNOBS) + ")")
     p.add_argument("--layer-split", action="store_true",
                    help="with --train-recompute: the modules tune only their top k layers (the layer split)")
     a = p.parse_args()
@@ -271,10 +309,11 @@ def main() -> None:
     curves = {t: run_curve(t, a, base) for t in a.tasks.split(",")} if a.curve else {}
     trained_curves = ({t: run_trained_recompute(t, a, base) for t in a.tasks.split(",")}
                       if a.train_recompute else {})
+    variants = {t: run_variants(t, a, base) for t in a.tasks.split(",")} if a.variant else {}
     summary = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                            "cores_visible": os.cpu_count(), "torch": torch.__version__,
                            "autocast_bf16": a.autocast},
-               "args": vars(a), "results": results, "curves": curves, "trained_recompute": trained_curves}
+               "args": vars(a), "results": results, "curves": curves, "trained_recompute": trained_curves, "variants": variants}
     Path(a.out, "fidelity.json").write_text(json.dumps(summary, indent=2))
     for r in results:
         acc = r["accuracy"]
