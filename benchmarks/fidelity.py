@@ -259,6 +259,37 @@ def run_curve(task: str, a: argparse.Namespace, base: Path) -> dict:
     return curve
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def _ci(d: dict) -> str:
+    return f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
+
+
+def report(outs: list[str]) -> str:
+    """Markdown tables of every finished task under the ``outs`` directories: the arms, and the
+    trained-recompute modules and variants, each paired to (2)."""
+    lines = ["| run / task | (1) base | (2) standard | (3) naive | (4) cache-conditioned | (4) − (2) | (3) − (2) |",
+             "|---|---|---|---|---|---|---|"]
+    extra = ["| run / task | module | prefill saved | accuracy | − (2) | − (4) | steps, training s, final loss |",
+             "|---|---|---|---|---|---|---|"]
+    for out in outs:
+        for res_path in sorted(Path(out).glob("*/result.json")):
+            r, d = json.loads(res_path.read_text()), res_path.parent
+            acc, name = r["accuracy"], f"{Path(out).name} / {r['task']}"
+            lines.append(f"| {name} | " + " | ".join(_pct(acc[k]) for k in ("base", "standard", "naive", "cache"))
+                         + f" | {_ci(r['cache_minus_standard'])} | {_ci(r['naive_minus_standard'])} |")
+            for file in ("trained_recompute.json", "variants.json"):
+                for key, v in (json.loads((d / file).read_text()) if (d / file).is_file() else {}).items():
+                    module = f"k = {key}" if file.startswith("trained") else key
+                    t = v["training"]
+                    extra.append(f"| {name} | {module} | {_pct(v['prefill_saved'])} | {_pct(v['accuracy'])} | "
+                                 f"{_ci(v['minus_standard'])} | {_ci(v['minus_cache'])} | "
+                                 f"{t['steps']}, {t['seconds']:.0f}, {t['final_loss']:.3f} |")
+    return "\n".join(lines + [""] + extra)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", default="retrieval,planning,tool")
@@ -299,7 +330,12 @@ def main() -> None:
                         "(repeatable; knobs: " + ", ".join(VARIANT_KNOBS) + ")")
     p.add_argument("--layer-split", action="store_true",
                    help="with --train-recompute: the modules tune only their top k layers (the layer split)")
+    p.add_argument("--report", nargs="+", metavar="OUT",
+                   help="print markdown tables of the finished runs under these --out directories, and exit")
     a = p.parse_args()
+    if a.report:
+        print(report(a.report))
+        return
     torch.set_num_threads(a.threads)
     base = Path(a.base) if a.base else default_model_dir()
     results = [run_task(t, a, base) for t in a.tasks.split(",")]

@@ -48,6 +48,11 @@ def test_the_table_and_its_variants_are_recorded(fidelity, tiny_model_dir, tmp_p
     split = json.loads((out / "retrieval" / "trained_recompute.json").read_text())
     assert set(split) == {"1", "1-split"} and split["1-split"]["tuned_layers"] == 1
     assert split["1"] == rc
+    # the report: one row per task, one per trained module, figures from the results
+    table = fidelity.report([str(out)])
+    assert f"| fid / retrieval | {100 * res['accuracy']['base']:.1f} %" in table
+    assert "| fid / retrieval | k = 1-split | 66.7 % |" in table
+    assert "| fid / retrieval | lr=0.01,rank=4 | 100.0 % |" in table
 
 
 def test_a_bad_variant_names_the_knobs(fidelity):
