@@ -27,10 +27,10 @@ True
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -213,9 +213,8 @@ def _records(rng: random.Random, n: int, key: str = "name") -> tuple[list[str], 
                          "team": rng.choice(teams)})
         if key == "name":
             break
-        count = collections.Counter
-        by_role, by_team = count(r["role"] for r in rows), count(r["team"] for r in rows)
-        by_pair = count((r["role"], r["team"]) for r in rows)
+        by_role, by_team = Counter(r["role"] for r in rows), Counter(r["team"] for r in rows)
+        by_pair = Counter((r["role"], r["team"]) for r in rows)
         keyed = [r for r in rows
                  if by_pair[r["role"], r["team"]] == 1 and by_role[r["role"]] > 1 and by_team[r["team"]] > 1]
         if keyed:
