@@ -104,10 +104,14 @@ def run_task(task: str, a: argparse.Namespace, base: Path) -> dict:
     return res
 
 
+def held_out_rows(d: Path) -> list[dict]:
+    """The task's held-out rows (JSON objects), as written by :func:`run_task`."""
+    return [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+
+
 def held_out(d: Path) -> list:
-    """The task's held-out examples, as written by :func:`run_task`."""
-    rows = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
-    return [parse_row(r, line=i + 1) for i, r in enumerate(rows)]
+    """The task's held-out examples, parsed."""
+    return [parse_row(r, line=i + 1) for i, r in enumerate(held_out_rows(d))]
 
 
 def error_kinds(task: str, a: argparse.Namespace) -> dict:
@@ -117,7 +121,7 @@ def error_kinds(task: str, a: argparse.Namespace) -> dict:
     res = json.loads((d / "result.json").read_text())
     if task != "retrieval" or "errors" in res:
         return res
-    rows = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+    rows = held_out_rows(d)
     preds = json.loads((d / "predictions.json").read_text())["predictions"]
     res["errors"] = {arm: dict(collections.Counter(k for k in (retrieval_error(r, p) for r, p in zip(rows, v, strict=True)) if k))
                      for arm, v in preds.items()}
