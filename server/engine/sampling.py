@@ -6,7 +6,8 @@ same tokens alone and inside any batch (DESIGN §4).
 
 Per row, in order: temperature (0 = greedy) → top-k → top-p (nucleus) → sample. Log-probabilities
 are those of the model's distribution (log-softmax of the raw logits), as vLLM and OpenAI
-report them, for the chosen token and the ``logprobs`` most likely ones.
+report them, for the chosen token and the ``logprobs`` most likely ones: at every temperature,
+never those of the scaled or truncated distribution the token was drawn from.
 
 >>> import torch
 >>> params = SamplingParams(temperature=0.0, logprobs=2)

@@ -98,6 +98,29 @@ def test_n_choices_have_their_indices(client: openai.OpenAI) -> None:
     assert res.usage.prompt_tokens == chat_raw(client, model="planner", messages=MESSAGES, max_tokens=1).usage.prompt_tokens
 
 
+def test_seeded_choices_differ_and_choice_i_is_the_request_with_seed_plus_i(client: openai.OpenAI) -> None:
+    kw = {"model": "planner", "messages": MESSAGES, "temperature": 1.0, "max_tokens": 6,
+          "extra_body": {"ignore_eos": True}}
+    texts = [c.message.content for c in chat_raw(client, n=3, seed=7, **kw).choices]
+    assert len(set(texts)) == 3, texts
+    assert texts == [chat_raw(client, seed=7 + i, **kw).choices[0].message.content for i in range(3)]
+
+
+def test_sampled_logprobs_are_the_models_distribution_at_any_temperature(client: openai.OpenAI) -> None:
+    # The first token's distribution depends on the prompt only: a request sampled at
+    # temperature 1.8 reports the same top_logprobs as a greedy one (raw log-softmax).
+    kw = {"model": "base", "messages": MESSAGES, "max_tokens": 2, "logprobs": True, "top_logprobs": 5}
+    greedy = chat_raw(client, temperature=0, **kw).choices[0].logprobs.content[0]  # type: ignore[union-attr]
+    top = {t.token: t.logprob for t in greedy.top_logprobs}
+    for seed in (1, 2, 3):
+        hot = chat_raw(client, temperature=1.8, seed=seed, **kw).choices[0].logprobs.content[0]  # type: ignore[union-attr]
+        assert [t.token for t in hot.top_logprobs] == list(top)
+        assert [t.logprob for t in hot.top_logprobs] == pytest.approx(list(top.values()), abs=1e-3)
+        if hot.token in top:
+            assert hot.logprob == pytest.approx(top[hot.token], abs=1e-3)
+        assert hot.logprob <= greedy.top_logprobs[0].logprob + 1e-3
+
+
 def test_seed_repeats(client: openai.OpenAI) -> None:
     a = chat_raw(client, model="base", messages=MESSAGES, temperature=1.0, seed=42, max_tokens=6)
     b = chat_raw(client, model="base", messages=MESSAGES, temperature=1.0, seed=42, max_tokens=6)

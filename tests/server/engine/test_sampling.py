@@ -68,6 +68,71 @@ def test_logprobs_are_the_models_log_softmax():
     assert sample(lg, [SamplingParams(temperature=0)], [None])[0].logprob is None
 
 
+def test_sampled_logprobs_are_the_raw_log_softmax_not_the_sampling_distribution():
+    # At temperature > 0 with top-k and top-p, logprobs still describe the model's own
+    # distribution (vLLM's default "raw logprobs"), not the scaled or truncated one.
+    lg = logits(1, seed=5)
+    ref = torch.log_softmax(lg[0], -1)
+    p = SamplingParams(temperature=1.7, top_k=3, top_p=0.9, seed=11, logprobs=5)
+    g = p.generator()
+    for _ in range(20):
+        out = sample(lg, [p], [g])[0]
+        assert out.logprob == pytest.approx(float(ref[out.token_id]), abs=1e-6)
+        assert [t for t, _ in out.top_logprobs] == torch.topk(ref, 5).indices.tolist()
+        assert [v for _, v in out.top_logprobs] == pytest.approx(torch.topk(ref, 5).values.tolist(), abs=1e-6)
+
+
+def test_logprobs_zero_reports_the_chosen_token_only_and_rows_choose_independently():
+    lg = logits(2, seed=6)
+    ref = torch.log_softmax(lg, -1)
+    rows = sample(lg, [SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=0)], [None, None])
+    assert [r.token_id for r in rows] == lg.argmax(-1).tolist()
+    assert rows[0].logprob == pytest.approx(float(ref[0].max())) and rows[0].top_logprobs == []
+    assert rows[1].logprob is None and rows[1].top_logprobs == []  # only the row that asked
+    top = sample(lg[:1], [SamplingParams(temperature=0, logprobs=20)], [None])[0]
+    assert top.token_id == int(lg[0].argmax()) and len(top.top_logprobs) == 20
+
+
+def test_forced_tokens_are_taken_and_scored_and_others_still_sample():
+    lg = logits(2, seed=7)
+    ref = torch.log_softmax(lg, -1)
+    forced_token = int(lg[0].argmin())
+    p = SamplingParams(temperature=0, logprobs=1)
+    rows = sample(lg, [p, p], [None, None], forced=[forced_token, None])
+    assert rows[0].token_id == forced_token
+    assert rows[0].logprob == pytest.approx(float(ref[0, forced_token]))
+    assert rows[1].token_id == int(lg[1].argmax())
+
+
+def test_a_sampled_row_needs_its_generator():
+    with pytest.raises(ValueError, match="generator"):
+        sample(logits(1), [SamplingParams(temperature=1.0)], [None])
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    lg = torch.tensor([[5.0, 4.0, 3.0, 2.0, -10.0]])
+    assert set(draws(SamplingParams(temperature=50.0, top_k=3, seed=0), lg, 300)) == {0, 1, 2}
+    # top_k at or above the vocabulary size cuts nothing
+    assert set(draws(SamplingParams(temperature=50.0, top_k=5, seed=0), lg, 300)) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_stops_once_the_mass_reaches_it_exactly():
+    lg = torch.log(torch.tensor([[2.0, 1.0, 1.0]]))
+    probs = torch.softmax(lg[0], -1)
+    assert probs.tolist() == [0.5, 0.25, 0.25]  # exact in fp32: the boundary below is exact too
+    assert set(draws(SamplingParams(top_p=0.5, seed=0), lg, 100)) == {0}
+    assert set(draws(SamplingParams(top_p=0.75, seed=0), lg, 200)) == {0, 1}
+
+
+def test_boundary_values_are_accepted_and_sequences_become_tuples():
+    p = SamplingParams(max_tokens=1, logprobs=0, stop=["x"], stop_token_ids=[2], forced_tokens=[4, 5])  # type: ignore[arg-type]
+    assert (p.max_tokens, p.logprobs) == (1, 0)
+    assert (p.stop, p.stop_token_ids, p.forced_tokens) == (("x",), (2,), (4, 5))
+    assert SamplingParams(logprobs=20).logprobs == 20
+    assert hash(p) == hash(SamplingParams(max_tokens=1, logprobs=0, stop=("x",), stop_token_ids=(2,),
+                                          forced_tokens=(4, 5)))
+
+
 @pytest.mark.parametrize(
     "kwargs, msg",
     [
@@ -79,6 +144,7 @@ def test_logprobs_are_the_models_log_softmax():
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"stop": ("",)}, "stop"),
     ],
 )
