@@ -1,0 +1,226 @@
+"""Fixtures of the whole repository: the tiny models, and the examples that run.
+
+The tiny models serve ``tests/`` and the doctests of ``agentshare/`` and ``server/`` alike: a
+tiny random Llama-family model with the real SmolLM2 tokenizer and chat template, so template and
+invocation-point logic are tested for real. Weights are scaled up (``initializer_range=0.1``) so
+attention is peaked rather than uniform: masking or position bugs then change logits visibly.
+
+Doctests and the Python blocks of ``README.md`` and ``docs/`` run as notebook cells
+(:mod:`tests.notebook`: top-level ``await``). Besides its module's globals, a doctest finds the
+names of :data:`DOCTEST_NAMES` (each built only for a docstring that reads it), and runs in a
+fresh temporary directory. A doctest with an example flagged ``# doctest: +SLOW`` is marked
+``slow``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import doctest
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _pytest.doctest import DoctestItem
+from sybil import Sybil
+from sybil.integration.pytest import SybilItem
+from sybil.parsers.markdown import CodeBlockParser, SkipParser
+
+from tests.notebook import LOOP, CellEvaluator, doctest_names, top_level_await
+
+TINY_LLAMA: dict[str, Any] = dict(
+    model_type="llama",
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    initializer_range=0.1,
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    """The real SmolLM2-135M-Instruct tokenizer (with chat template), read from its GGUF."""
+    return _smollm2_tokenizer()
+
+
+@functools.cache
+def _smollm2_tokenizer() -> Any:
+    # Once per process, not per session: scripts/mutation runs a pytest session per mutant in
+    # processes forked from one that already read it (7 CPU-seconds each time otherwise).
+    from transformers import AutoTokenizer
+
+    from server.models.loader import default_gguf_path
+
+    gguf = default_gguf_path()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any
+) -> Callable[..., Path]:
+    """Factory: ``make_tiny_model(name, **config_overrides) -> model dir`` (fp32, seeded, cached).
+
+    The directory holds config, safetensors weights and the real SmolLM2 tokenizer + template;
+    the vocabulary is the tokenizer's. Overrides may change ``model_type`` (llama, qwen2,
+    qwen3, mistral) and any config field.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    made: dict[str, tuple[dict[str, Any], Path]] = {}
+
+    def make(name: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+        params = {**TINY_LLAMA, **overrides, "seed": seed}
+        if name in made:
+            assert made[name][0] == params, f"tiny model {name!r} requested with other settings"
+            return made[name][1]
+        made_params = dict(params)
+        params.pop("seed")
+        model_type = params.pop("model_type")
+        config = AutoConfig.for_model(model_type, vocab_size=len(smollm2_tokenizer), **params)
+        with torch.random.fork_rng():  # seeded weights without touching the tests' global RNG
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        path = tmp_path_factory.mktemp(f"tiny-{name}")
+        model.save_pretrained(path)
+        smollm2_tokenizer.save_pretrained(path)
+        made[name] = (made_params, path)
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
+    """A tiny random Llama (3 layers, hidden 256, 4 q / 2 kv heads of 64, tied embeddings)."""
+    return make_tiny_model("llama")
+
+
+# ---- doctests -------------------------------------------------------------------------------
+
+SLOW = doctest.register_optionflag("SLOW")  # `# doctest: +SLOW`: the docstring runs with -m slow
+
+DOCTEST_NAMES = {  # a name a doctest may read -> the fixture that gives it
+    "model_dir": "tiny_model_dir",  # a model directory (the tiny model)
+    "coder_dir": "coder_module_dir",  # a decode module (LoRA) of its fp32 family
+    "url": "tiny_server_url",  # a server of both (agents base and coder)
+    "client": "doctest_client",  # an AsyncClient connected to it
+}
+
+
+@pytest.fixture(scope="session")
+def coder_module_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random LoRA decode module named ``coder``, with a manifest joining the tiny model's fp32 family."""
+    from server.kv.family import family_digest
+    from tests.server.api.conftest import make_lora_module
+
+    family = family_digest(tiny_model_dir, kv_dtype="float32")
+    return make_lora_module(tiny_model_dir, tmp_path_factory.mktemp("coder"), "coder", family, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_server_url(tiny_model_dir: Path, coder_module_dir: Path) -> Iterator[str]:
+    """A server (uvicorn in a thread, fp32) of the tiny model with agents ``base`` and ``coder``."""
+    from server.api.config import ServerConfig
+    from server.engine.build import load_engine
+    from server.engine.core import EngineConfig
+    from tests.server.helpers import running_server
+
+    core = load_engine(tiny_model_dir, modules={"coder": coder_module_dir}, dtype="float32",
+                       config=EngineConfig(kv_cache_bytes=16 << 20))
+    with running_server(core, ServerConfig(kv_cache_bytes=16 << 20, default_max_tokens=16)) as url:
+        yield url
+
+
+@pytest.fixture
+def doctest_loop() -> Iterator[asyncio.Runner]:
+    """The event loop of one docstring (its cells share it, as a notebook's do)."""
+    with asyncio.Runner() as loop:
+        yield loop
+
+
+@pytest.fixture
+def doctest_client(doctest_loop: asyncio.Runner, tiny_server_url: str) -> Iterator[Any]:
+    from agentshare import AsyncClient
+
+    client = AsyncClient(tiny_server_url)
+    yield client
+    doctest_loop.run(client.aclose())
+
+
+@pytest.fixture(autouse=True)
+def _doctest_namespace(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For a doctest: the names it reads from :data:`DOCTEST_NAMES`, top-level await, a temp cwd."""
+    if not isinstance(request.node, DoctestItem):
+        yield
+        return
+    namespace: dict[str, Any] = request.getfixturevalue("doctest_namespace")
+    loop: asyncio.Runner = request.getfixturevalue("doctest_loop")
+    request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("tmp_path"))
+    wanted = doctest_names(request.node.dtest) & DOCTEST_NAMES.keys()
+    namespace.update({name: request.getfixturevalue(DOCTEST_NAMES[name]) for name in wanted})
+    try:
+        with top_level_await(loop):
+            yield
+    finally:
+        for name in wanted:
+            del namespace[name]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if isinstance(item, DoctestItem) and any(e.options.get(SLOW) for e in item.dtest.examples):
+            item.add_marker(pytest.mark.slow)
+        if isinstance(item, SybilItem) and "sybil:default-model" in item.name:
+            item.add_marker(pytest.mark.slow)
+
+
+# ---- README.md and docs/ --------------------------------------------------------------------
+# Each document runs in order in one namespace, as a notebook (sybil). Its blocks find the tiny
+# model, a module and a server under their fixture names (used by invisible setup blocks), and
+# `AsyncClient()` launches the tiny model (AGENTSHARE_MODEL). README.md runs as written: on the
+# default model, so with -m slow (it converts the model on first use, then runs three agents).
+
+
+@pytest.fixture(scope="module")
+def docs_environment(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[None]:
+    """For one document: run from the repository root; a launched server loads the tiny model."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(request.config.rootpath)
+        mp.setenv("AGENTSHARE_MODEL", str(tiny_model_dir))
+        yield
+
+
+@pytest.fixture(scope="module")
+def readme_environment(request: pytest.FixtureRequest) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(request.config.rootpath)
+        mp.delenv("AGENTSHARE_MODEL", raising=False)
+        yield
+
+
+def _open_document(namespace: dict[str, Any]) -> None:
+    namespace[LOOP] = asyncio.Runner()
+
+
+def _close_document(namespace: dict[str, Any]) -> None:
+    namespace.pop(LOOP).close()
+
+
+_PARSERS = [CodeBlockParser("python", CellEvaluator()), SkipParser()]
+pytest_collect_file = (
+    Sybil(parsers=_PARSERS, patterns=["docs/*.md"], setup=_open_document, teardown=_close_document,
+          fixtures=["docs_environment", "tiny_model_dir", "coder_module_dir", "tiny_server_url"], name="docs")
+    + Sybil(parsers=_PARSERS, patterns=["README.md"], setup=_open_document, teardown=_close_document,
+            fixtures=["readme_environment"], name="default-model")
+).pytest()
