@@ -9,11 +9,12 @@
 >>> from agentshare import Agent, Sampling
 >>> Agent("coder", instruction="Write the code.", sampling=Sampling(max_tokens=128)).module
 'base'
->>> async with AsyncClient() as client:                              # doctest: +SKIP
-...     ctx = await client.context(open("design.md").read())
+>>> async with AsyncClient(url) as client:      # a running server; AsyncClient() launches one
+...     ctx = await client.context("Design: one replica per zone. SLO: 99.9 % of reads in 50 ms.")
 ...     team = await ctx.fork([Agent("retriever", instruction="Quote the SLO."),
-...                            Agent("planner", instruction="Plan the migration.")])
->>> team                                                              # doctest: +SKIP
+...                            Agent("planner", instruction="Plan the migration.")], max_tokens=8)
+>>> [(answer.agent, answer.usage.cached_tokens) for answer in team]   # both read the context's KV
+[('retriever', 48), ('planner', 48)]
 """
 
 from agentshare.agent import Agent, Sampling

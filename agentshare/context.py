@@ -10,15 +10,15 @@
           ├── await ctx.extend(messages)            # append (a ReAct observation): only new tokens prefill
           └── await ctx.release()                   # unpin now (or: async with ctx: ...)
 
-Every agent's request is laid out as: the context, then the agent's turn (DESIGN §2), so the context's
+Every agent's request is laid out as: the context, then the agent's turn, so the context's
 blocks are served from the cache to every agent of the family; ``Answer.usage`` says how many
 prompt tokens were cached vs computed.
 
->>> async with await client.context(document) as ctx:           # doctest: +SKIP
+>>> async with await client.context("Spec: square(x) returns x * x.") as ctx:
 ...     team = await ctx.fork([Agent("planner", instruction="Plan it."),
-...                            (Agent("coder"), "Write the function.")])
->>> team["planner"].text                                          # doctest: +SKIP
-'1. Read the spec ...'
+...                            (Agent("coder", module="coder"), "Write the function.")], max_tokens=8)
+>>> [(answer.module, answer.usage.cached_tokens) for answer in team]  # a LoRA module reads the base's KV
+[('base', 32), ('coder', 32)]
 """
 
 from __future__ import annotations

@@ -9,15 +9,16 @@ pinned prefill; answers merge into ``state["answers"]`` (parallel branches too):
 This module does not import ``langgraph`` (install the extra: ``pip install 'agentshare[langgraph]'``);
 the nodes are plain async callables of the state.
 
->>> from langgraph.graph import StateGraph, START, END                  # doctest: +SKIP
->>> g = StateGraph(TeamState)                                           # doctest: +SKIP
->>> g.add_node("context", context_node(client))                         # doctest: +SKIP
->>> g.add_node("planner", agent_node(client, Agent("planner", instruction="Plan it.")))  # doctest: +SKIP
->>> g.add_node("release", release_node(client))                         # doctest: +SKIP
->>> g.add_edge(START, "context"); g.add_edge("context", "planner")      # doctest: +SKIP
->>> g.add_edge("planner", "release"); g.add_edge("release", END)        # doctest: +SKIP
->>> out = await g.compile().ainvoke({"document": report})               # doctest: +SKIP
->>> out["answers"].get("planner")                                       # doctest: +SKIP
+>>> from langgraph.graph import StateGraph, START, END
+>>> g = (StateGraph(TeamState)
+...      .add_node("context", context_node(client))
+...      .add_node("planner", agent_node(client, Agent("planner", instruction="Plan it."), max_tokens=8))
+...      .add_node("release", release_node(client))
+...      .add_edge(START, "context").add_edge("context", "planner")
+...      .add_edge("planner", "release").add_edge("release", END))
+>>> out = await g.compile().ainvoke({"document": "Incident: the nightly export timed out twice."})
+>>> sorted(out["answers"]), out["usage"]["planner"].cached_tokens
+(['planner'], 32)
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@
 stops it on ``aclose()``. The child never outlives its parent: it is stopped at interpreter
 exit, and on Linux the kernel sends it SIGTERM if the parent dies without cleaning up.
 
->>> server = LocalServer(["--dtype", "float32"])           # doctest: +SKIP
->>> await server.start()                                   # doctest: +SKIP
->>> server.url                                             # doctest: +SKIP
-'http://127.0.0.1:40123'
->>> await server.stop()                                    # doctest: +SKIP
+>>> server = LocalServer(["--model", str(model_dir), "--dtype", "float32"])   # `agentshare serve` options
+>>> await server.start()
+>>> server.url                                             # doctest: +ELLIPSIS
+'http://127.0.0.1:...'
+>>> await server.stop()
 """
 
 from __future__ import annotations

@@ -11,10 +11,15 @@ command queue, and get their tokens back through one asyncio queue per request::
     (consumer leaves) ── Cancel ─────▶  core.cancel(): KV freed
     run(fn) ───────── Call ──────────▶  fn(core)  (stats, pins: anything touching the core)
 
->>> import asyncio
->>> async def demo(engine):                                     # doctest: +SKIP
-...     async for event in engine.generate("r1", "base", prompt, SamplingParams(max_tokens=8)):
-...         print(event.text, end="")
+>>> from server.engine.build import load_engine
+>>> from server.prompt import text_prompt
+>>> engine = AsyncEngine(load_engine(model_dir, dtype="float32"))
+>>> prompt = text_prompt(engine.core.tokenizer, "One replica per zone.", " Replicas per zone:")
+>>> async for event in engine.generate("r1", "base", prompt, SamplingParams(max_tokens=8, ignore_eos=True)):
+...     if event.finish_reason:
+...         print(event.finish_reason, event.usage)
+FinishReason.LENGTH Usage(prompt_tokens=11, cached_tokens=0, completion_tokens=8)
+>>> engine.close()
 """
 
 from __future__ import annotations

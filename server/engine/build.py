@@ -1,6 +1,8 @@
 """Build an engine from a model directory and a set of decode modules.
 
->>> core = load_engine(tiny_model_dir, modules={"coder": coder_dir})   # doctest: +SKIP
+>>> core = load_engine(model_dir, modules={"coder": coder_dir}, dtype="float32")
+>>> {name: (m.kind.value, m.shares_prefill) for name, m in core.modules.items()}
+{'base': ('base', True), 'coder': ('lora', True)}
 """
 
 from __future__ import annotations

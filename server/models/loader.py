@@ -76,10 +76,11 @@ def default_gguf_path() -> Path:
 def default_model_dir(*, root: Path | None = None, progress: bool = True) -> Path:
     """Directory of the default model, converting its GGUF there on first use.
 
-    The first call converts (~20 s); later calls return the cached directory at once.
+    The first call converts (~20 s); later calls return the cached directory at once. (So this
+    example runs with ``-m slow``.)
 
-    >>> d = default_model_dir()  # doctest: +SKIP
-    >>> sorted(p.name for p in d.iterdir())[:2]  # doctest: +SKIP
+    >>> d = default_model_dir()                 # doctest: +SLOW
+    >>> sorted(p.name for p in d.iterdir())[:2]
     ['agentshare-conversion.json', 'chat_template.jinja']
     """
     gguf = default_gguf_path()
@@ -135,9 +136,9 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
 def load_model(path: Path | str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a model directory (config, safetensors weights, tokenizer, chat template).
 
-    >>> m = load_model(default_model_dir())            # doctest: +SKIP
+    >>> m = load_model(model_dir)                      # e.g. default_model_dir()
     >>> m.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
-    ...                                 tokenize=False)[:14]  # doctest: +SKIP
+    ...                                 tokenize=False)[:14]
     '<|im_start|>sy'
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer

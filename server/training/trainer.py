@@ -109,7 +109,12 @@ class FinetuneResult:
 def finetune(cfg: FinetuneConfig) -> FinetuneResult:
     """Train a decode module as ``cfg`` says and write it (with manifest) to ``cfg.output``.
 
-    >>> finetune(FinetuneConfig(base="/m", data="d.jsonl", output="o", name="x"))  # doctest: +SKIP
+    >>> row = {"context": "Ada Kim lives in Oslo.", "instruction": "Where does Ada Kim live?", "response": "Oslo"}
+    >>> _ = Path("train.jsonl").write_text(json.dumps(row) + "\\n")
+    >>> result = finetune(FinetuneConfig(base=model_dir, data="train.jsonl", output="coder", name="coder",
+    ...                                  rank=4, alpha=8, progress=False))
+    >>> result.steps, sorted(p.name for p in result.output.glob("*.json"))   # with its manifest
+    (1, ['adapter_config.json', 'agentshare-module.json', 'training.json'])
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
