@@ -16,10 +16,11 @@ It works under asyncio and trio (anyio), and inside a running loop (Jupyter's to
 ``await``). The server is started on first use or on ``async with``; ``aclose()`` stops it;
 it is also stopped at interpreter exit, and it dies with its parent process.
 
->>> async with AsyncClient(dtype="float32") as client:                  # doctest: +SKIP
+>>> async with AsyncClient(url) as client:        # AsyncClient(): launch a local server instead
 ...     ctx = await client.context("The service keeps one replica per zone ...")
 ...     answer = await ctx.generate("base", "How many replicas per zone?", max_tokens=16)
-...     print(answer.text, answer.usage.cached_tokens)
+>>> answer.usage.cached_tokens, answer.usage.computed_tokens    # the context's blocks were cached
+(32, 17)
 """
 
 from __future__ import annotations

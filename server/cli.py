@@ -53,7 +53,8 @@ def finetune(
 def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
     port: int = typer.Option(8000),
-    model: Path | None = typer.Option(None, help="base model directory (default: SmolLM2-135M-Instruct)"),
+    model: Path | None = typer.Option(None, envvar="AGENTSHARE_MODEL",
+                                      help="base model directory (default: SmolLM2-135M-Instruct)"),
     module: list[str] | None = typer.Option(None, help="agent as NAME=PATH to a decode module (repeat)"),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16"),
     threads: int | None = typer.Option(None, help="torch threads (default: torch's choice)"),

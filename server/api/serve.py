@@ -1,6 +1,17 @@
 """Start a server: load the engine, build the app, run it under uvicorn.
 
->>> serve(ServerConfig(port=8000))                                  # doctest: +SKIP
+``serve`` blocks until interrupted (``agentshare serve`` calls it); here, in a child process:
+
+>>> from multiprocessing import get_context
+>>> import httpx
+>>> from agentshare.local_server import free_port
+>>> config = ServerConfig(model_dir=model_dir, dtype="float32", port=free_port(), log_level="warning")
+>>> server = get_context("spawn").Process(target=serve, args=(config,))
+>>> server.start()
+>>> with httpx.Client(transport=httpx.HTTPTransport(retries=8)) as http:   # retried while it loads
+...     http.get(f"http://127.0.0.1:{config.port}/health").json()["agents"]
+1
+>>> server.terminate(); server.join()                 # SIGTERM: uvicorn shuts down gracefully
 """
 
 from __future__ import annotations
