@@ -9,6 +9,26 @@ are those of the model's distribution (log-softmax of the raw logits), as vLLM a
 report them, for the chosen token and the ``logprobs`` most likely ones: at every temperature,
 never those of the scaled or truncated distribution the token was drawn from.
 
+The sampler is total: every row gives a token, whatever its values and the parameters, and
+never raises on them (a failed draw once took the whole engine down). The defined choices:
+
+- a NaN logit is never chosen (it counts as ``-inf``);
+- a ``+inf`` logit is a point mass: the first ``+inf`` token is chosen, greedy or sampled;
+- top-p always keeps the most likely token (a ``top_p`` too small for float32, such as
+  ``1e-300``, keeps that one alone);
+- when no distribution is left to draw from (temperature scaling that overflows or underflows,
+  every logit ``-inf`` or NaN, an empty top-p set), the choice is the argmax of the finite raw
+  logits, which every filter keeps and the greedy limit picks; token 0 if none is finite;
+- a log-probability that is not finite (an impossible token) is reported as
+  :data:`LOGPROB_FLOOR` (JSON has no ``-inf``).
+
+>>> nan, inf = float("nan"), float("inf")
+>>> g = SamplingParams(seed=0).generator()
+>>> [sample(torch.tensor([row]), [SamplingParams(temperature=t, top_p=tp)], [g])[0].token_id
+...  for row, t, tp in [([nan, nan, 1.0], 1.0, 1.0), ([0.0, inf, 1.0], 1.0, 1.0),
+...                     ([0.0, 3.0, 1.0], 1e-300, 1.0), ([0.0, 3.0, 1.0], 1.0, 1e-300)]]
+[2, 1, 1, 1]
+
 >>> import torch
 >>> params = SamplingParams(temperature=0.0, logprobs=2)
 >>> out = sample(torch.tensor([[0.0, 3.0, 1.0]]), [params], [None])[0]
@@ -28,6 +48,8 @@ import torch
 from server.engine.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
+LOGPROB_FLOOR = -9999.0
+"""The log-probability reported for a token the row makes impossible."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +112,10 @@ def sample(
 ) -> list[Sampled]:
     """One token per row of ``logits`` [rows, vocab]. ``generators[i]`` may be None for greedy
     rows; ``forced[i]``, if not None, is taken instead of sampling (teacher forcing)."""
-    logits = logits.float()
+    logits = _sanitize(logits.float())
     out: list[Sampled] = []
     want_lp = any(p.logprobs is not None for p in params)
-    logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+    logprobs = _logprobs(logits) if want_lp else None
     for i, p in enumerate(params):
         row = logits[i]
         if forced is not None and forced[i] is not None:
@@ -117,7 +139,25 @@ def sample(
     return out
 
 
+def _sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """NaN as ``-inf``; a row holding ``+inf`` as the point mass on its first ``+inf`` (0 there,
+    ``-inf`` elsewhere). Finite rows are returned as they are."""
+    logits = logits.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    pos = torch.isposinf(logits)
+    hit = pos.any(dim=-1, keepdim=True)
+    if bool(hit.any()):
+        point = torch.full_like(logits, float("-inf")).scatter_(-1, pos.to(torch.int8).argmax(-1, keepdim=True), 0.0)
+        logits = torch.where(hit, point, logits)
+    return logits
+
+
+def _logprobs(logits: torch.Tensor) -> torch.Tensor:
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp.nan_to_num(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
+
+
 def _draw(row: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
+    """Sample from a sanitized row; falls back to its argmax when nothing is left to draw from."""
     scaled = row / p.temperature
     if p.top_k and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
@@ -125,9 +165,14 @@ def _draw(row: torch.Tensor, p: SamplingParams, g: torch.Generator) -> int:
     probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
-        # keep the smallest set whose mass reaches top_p (always at least the top token)
+        # keep the smallest set whose mass reaches top_p, and always the top token (top_p is
+        # compared in float32: 1e-300 is 0 there, and would drop every token)
         drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
+        drop[0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    total = float(probs.sum())
+    if not math.isfinite(total) or total <= 0.0:  # scaling over/underflowed, or no finite logit
+        return int(torch.argmax(row))
     # One fixed-size draw per step from the request's own generator: batch-independent.
     return int(torch.multinomial(probs, 1, generator=g))
