@@ -41,7 +41,8 @@ from agentshare.errors import AgentshareError, ConnectionFailed, error_from_resp
 from agentshare.local_server import LocalServer
 from agentshare.metrics import ServerMetrics
 
-_STREAM_ERROR_STATUS = {"authentication_error": 401, "rate_limit_error": 429, "invalid_request_error": 400}
+_STREAM_ERROR_STATUS = {"authentication_error": 401, "rate_limit_error": 429, "invalid_request_error": 400,
+                        "service_unavailable": 503}
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +205,9 @@ class AsyncClient:
                     yield event
         except httpx.TransportError as exc:
             raise ConnectionFailed(f"POST {self.base_url}{path}: {exc!r}") from exc
+        # a clean close before [DONE]: the answer is cut short, never a complete one
+        raise ConnectionFailed(f"POST {self.base_url}{path}: the stream ended before [DONE] (connection closed "
+                               "mid-response, e.g. by a proxy or a server restart); retry the request")
 
     def _content_body(self, content: str | Sequence[Any], *, text_kind: bool = False) -> dict[str, Any]:
         if isinstance(content, str):

@@ -17,6 +17,9 @@
 
 from __future__ import annotations
 
+import math
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 
@@ -40,8 +43,8 @@ class APIError(AgentshareError):
     """The server refused or failed a request."""
 
     def __init__(self, status: int, message: str, *, type: str = "", code: str | None = None,
-                 retry_after: float | None = None) -> None:
-        self.status, self.message, self.type, self.code = status, message, type, code
+                 param: str | None = None, retry_after: float | None = None) -> None:
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
         self.retry_after = retry_after
         super().__init__(f"{status} {type}: {message}" if type else f"{status}: {message}")
 
@@ -71,8 +74,9 @@ def error_from_response(status: int, body: Any, *, retry_after: str | None = Non
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
         message, etype, code = str(err.get("message", "")), str(err.get("type", "")), err.get("code")
+        param = err.get("param")
     else:
-        message, etype, code = str(body), "", None
+        message, etype, code, param = str(body), "", None, None
     cls: type[APIError]
     if status in (401, 403):
         cls = AuthenticationError
@@ -84,5 +88,24 @@ def error_from_response(status: int, body: Any, *, retry_after: str | None = Non
         cls = InternalServerError
     else:
         cls = BadRequestError
-    after = float(retry_after) if retry_after and retry_after.replace(".", "", 1).isdigit() else None
-    return cls(status, message, type=etype, code=code, retry_after=after)
+    return cls(status, message, type=etype, code=code, param=None if param is None else str(param),
+               retry_after=_seconds(retry_after))
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    # Retry-After is delta-seconds or an HTTP-date (RFC 9110 10.2.3); anything else is dropped
+    if not retry_after or not (value := retry_after.strip()):
+        return None
+    try:
+        seconds = float(value)
+        if seconds < 0:  # not delta-seconds
+            return None
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
