@@ -48,6 +48,7 @@ import math
 import os
 import random
 import re
+import secrets
 import signal
 import statistics
 import subprocess
@@ -70,6 +71,8 @@ from server.engine.numerics import dtype_name, resolve_dtype
 from server.kv.family import family_digest
 from server.models.loader import default_model_dir
 from server.prompt import chat_prompt
+
+ADMIN_KEY = secrets.token_hex(16)  # the router's /internal/cluster asks for it (given by env, not argv)
 
 ROOT = Path(__file__).resolve().parents[1]
 N_AGENTS = 3
@@ -238,7 +241,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "AGENTSHARE_ADMIN_KEY": ADMIN_KEY}
         self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
                                      cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -317,7 +320,7 @@ _METRIC = re.compile(r'^(agentshare_[a-z_]+)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$')
 
 def read_counters(url: str, disaggregated: bool) -> dict[str, Any]:
     if disaggregated:
-        return httpx.get(f"{url}/internal/cluster", timeout=30).json()
+        return httpx.get(f"{url}/internal/cluster", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).json()
     out: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         m = _METRIC.match(line)

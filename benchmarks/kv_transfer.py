@@ -6,6 +6,8 @@ dtype, as a decode worker would; the sender encodes the context in chunks of 32 
 tokens) beforehand and times open -> ``finish()`` acknowledged (the receiver's decode included,
 the encode reported apart). The KV is random normal, not a model's: int8's error on real KV
 differs (real K has outlier channels, which the per-channel K scales are there to absorb).
+Every frame carries its HMAC-SHA256 under a KV key made for the run (as a cluster's would be):
+the figures include computing it on both ends.
 
     python benchmarks/kv_transfer.py [--contexts 1024,4096] [--codecs bf16,int8,fp32]
         [--transports tcp,shm] [--source bf16] [--reps 3] [--threads 1] [--json PATH]
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,6 +31,7 @@ from server.cluster.codec import Codec, Frame, KVChunk, decode, encode
 from server.cluster.transport import KVReceiver, open_sender
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16  # SmolLM2-135M
+KEY_ENV = "KV_TRANSFER_BENCH_KEY"  # the receiver's KV key, hex, from the parent
 CHUNK_BLOCKS = 32
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -56,7 +60,7 @@ class Decoder:
 
 
 async def serve(dtype: torch.dtype) -> None:
-    receiver = KVReceiver(Decoder(dtype))
+    receiver = KVReceiver(Decoder(dtype), key=bytes.fromhex(os.environ.pop(KEY_ENV)))
     await receiver.start()
     print(json.dumps({"port": receiver.port}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent ends
@@ -95,9 +99,9 @@ def reconstruction(k: torch.Tensor, v: torch.Tensor, frames: list[Frame]) -> dic
     return res
 
 
-async def transfer(address: str, tid: str, codec: Codec, frames: list[Frame]) -> tuple[float, int]:
+async def transfer(address: str, tid: str, codec: Codec, frames: list[Frame], key: bytes) -> tuple[float, int]:
     t0 = time.perf_counter()
-    sender = await open_sender(address, tid, codec=codec, timeout=60)
+    sender = await open_sender(address, tid, codec=codec, timeout=60, key=key)
     for frame in frames:
         await sender.send(frame)
     await sender.finish()
@@ -107,6 +111,7 @@ async def transfer(address: str, tid: str, codec: Codec, frames: list[Frame]) ->
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     source = DTYPES[args.source]
     receiver_dtype = DTYPES[args.receiver_dtype or args.source]
+    key = os.urandom(32)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         __file__,
@@ -117,6 +122,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         args.receiver_dtype or args.source,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, KEY_ENV: key.hex()},
     )
     assert proc.stdout is not None and proc.stdin is not None
     port = json.loads(await proc.stdout.readline())["port"]
@@ -135,12 +141,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     errors[f"{codec}@{tokens}"] = reconstruction(k, v, frames)
                 for mode in args.transports:
                     address = f"{mode}://127.0.0.1:{port}"
-                    await transfer(address, f"warm{n}", codec, frames[:1])  # connect paths warm
+                    await transfer(address, f"warm{n}", codec, frames[:1], key)  # connect paths warm
                     await proc.stdout.readline()
                     times, decode_s = [], []
                     for _ in range(args.reps):
                         n += 1
-                        seconds, wire = await transfer(address, f"t{n}", codec, frames)
+                        seconds, wire = await transfer(address, f"t{n}", codec, frames, key)
                         report = json.loads(await proc.stdout.readline())
                         assert report["error"] is None, report
                         times.append(seconds)

@@ -18,6 +18,11 @@ app = typer.Typer(
 )
 
 
+_SECRET_ENV, _ADMIN_ENV = "AGENTSHARE_CLUSTER_SECRET", "AGENTSHARE_ADMIN_KEY"  # server.cluster.auth's
+_SECRET_HELP = (f"file (mode 0600) holding the cluster secret (`agentshare cluster-secret PATH` makes one), or "
+                f"{_SECRET_ENV}; a launched set gets one from its launcher")
+
+
 @app.callback()
 def main() -> None:
     """agentshare: one prefill of a shared context, many decode modules."""
@@ -74,6 +79,10 @@ def serve(
     offload_threshold: int = typer.Option(256, help="with --disaggregated: offload prefills longer than this (tokens)"),
     bandwidth_aware: bool = typer.Option(True, help="with --disaggregated: keep a prefill local when moving its KV "
                                          "would take longer than computing it (off: offload every long prefill)"),
+    worker_host: str = typer.Option("127.0.0.1", help="with --disaggregated: address the workers listen on, "
+                                    "whatever --host is (0.0.0.0 only on a private network: docs/cluster.md)"),
+    admin_key_file: Path | None = typer.Option(None, help=f"with --disaggregated: file (mode 0600) of the key "
+                                               f"/internal/cluster asks for (or {_ADMIN_ENV})"),
 ) -> None:
     """Serve the OpenAI-compatible and native API; every agent of the family shares prefill."""
     from server.api.serve import config_from_options
@@ -87,7 +96,8 @@ def serve(
     from server.cluster.launch import serve_disaggregated
 
     serve_disaggregated(config, prefill=prefill_workers, decode=decode_workers, threads=threads,
-                        router=_router_config(transfer_codec, transport, offload_threshold, bandwidth_aware))
+                        router=_router_config(transfer_codec, transport, offload_threshold, bandwidth_aware),
+                        worker_host=worker_host, admin_key=_admin_key(admin_key_file))
 
 
 @app.command()
@@ -103,6 +113,7 @@ def worker(
     kv_port: int = typer.Option(0, help="decode workers: port of the KV receiver (0: any)"),
     join: str | None = typer.Option(None, help="router URL to join (a worker on another host)"),
     advertise: str | None = typer.Option(None, help="URL the router reaches this worker at (default: host:port)"),
+    cluster_secret_file: Path | None = typer.Option(None, help=_SECRET_HELP),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Run one worker of a disaggregated cluster (prefill or decode)."""
@@ -116,7 +127,7 @@ def worker(
                              "max_step_tokens": max_step_tokens})
     serve_worker(config, role=role, chunk_blocks=chunk_blocks,  # type: ignore[arg-type]
                  cpus=[int(c) for c in cpus.split(",")] if cpus else (), join=join, kv_port=kv_port,
-                 advertise=advertise)
+                 advertise=advertise, secret=_secret(cluster_secret_file))
 
 
 @app.command()
@@ -127,6 +138,9 @@ def router(
     api_key: list[str] | None = typer.Option(None, envvar="AGENTSHARE_API_KEYS"),
     transfer_codec: str = typer.Option("bf16"), transport: str = typer.Option("auto", help="shm, tcp or auto"),
     offload_threshold: int = typer.Option(256), bandwidth_aware: bool = typer.Option(True),
+    cluster_secret_file: Path | None = typer.Option(None, help=_SECRET_HELP),
+    admin_key_file: Path | None = typer.Option(None, help=f"file (mode 0600) of the key /internal/cluster asks for "
+                                               f"(or {_ADMIN_ENV})"),
     log_level: str = typer.Option("info"),
 ) -> None:
     """Serve the API over running workers (started with ``agentshare worker``)."""
@@ -134,7 +148,43 @@ def router(
     from server.cluster.launch import serve_router
 
     serve_router(config_from_options(locals()), worker,
-                 _router_config(transfer_codec, transport, offload_threshold, bandwidth_aware))
+                 _router_config(transfer_codec, transport, offload_threshold, bandwidth_aware),
+                 secret=_secret(cluster_secret_file), admin_key=_admin_key(admin_key_file))
+
+
+@app.command("cluster-secret")
+def cluster_secret(path: Annotated[Path, typer.Argument(help="file to create (mode 0600; never overwritten)")]) -> None:
+    """Write a new cluster secret to PATH: give it to the router and every worker (--cluster-secret-file)."""
+    from server.cluster.auth import ClusterSecret
+
+    try:
+        ClusterSecret.generate().write(path)
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot create {path}: {exc.strerror or exc}", param_hint="PATH") from exc
+    typer.echo(f"wrote a cluster secret to {path} (mode 0600); copy it to each host over a secure channel")
+
+
+def _secret(path: Path | None) -> object:
+    from server.cluster.auth import ClusterSecret
+
+    try:
+        secret = ClusterSecret.load(path)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--cluster-secret-file") from exc
+    if secret is None:
+        raise typer.BadParameter(f"a cluster process needs the cluster secret: --cluster-secret-file PATH (make one "
+                                 f"with `agentshare cluster-secret PATH`) or {_SECRET_ENV}",
+                                 param_hint="--cluster-secret-file")
+    return secret
+
+
+def _admin_key(path: Path | None) -> str | None:
+    from server.cluster.auth import load_admin_key
+
+    try:
+        return load_admin_key(path)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--admin-key-file") from exc
 
 
 def _router_config(codec: str, transport: str, threshold: int, bandwidth_aware: bool = True) -> object:

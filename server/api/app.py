@@ -51,8 +51,9 @@ def create_app(
     backend: Backend = LocalBackend(engine) if isinstance(engine, AsyncEngine) else engine
     facts = backend.facts
     metrics = Metrics()
-    if (collector := getattr(backend, "collector", None)) is not None:
-        metrics.registry.register(collector)  # a backend's own figures (the router's decisions)
+    collectors = {id(c): c for source in (backend, *plugins) if (c := getattr(source, "collector", None)) is not None}
+    for collector in collectors.values():  # a backend's or plugin's own figures (routing, refused calls)
+        metrics.registry.register(collector)
     contexts = ContextStore(backend, metrics, facts.tokenizer)
     state = ServerState(backend, config, facts, Tenancy(config.api_keys), metrics, contexts, owns_backend=owns_engine)
 

@@ -4,7 +4,8 @@
 
     TransferError
      ├── ProtocolError       a malformed frame or header: bad magic/version, oversize, invalid
-     │                       JSON, wrong kinds or fields, a payload that does not fit the shape
+     │   │                   JSON, wrong kinds or fields, a payload that does not fit the shape
+     │   └── Unauthenticated a frame without a valid HMAC under the cluster's key (refused)
      ├── CorruptPayload      the payload's crc32 does not match its header (flipped bits)
      ├── TransferClosed      the peer went away mid-transfer (or refused the connection)
      ├── TransferRejected    the receiver answered "error": it refused or failed the transfer
@@ -23,6 +24,11 @@ class TransferError(Exception):
 
 class ProtocolError(TransferError):
     """A frame or header does not follow the protocol; the message says which field and why."""
+
+
+class Unauthenticated(ProtocolError):
+    """A frame's HMAC tag is missing or wrong: the peer does not hold the cluster secret, or
+    the frame was altered, reordered or replayed."""
 
 
 class CorruptPayload(TransferError):

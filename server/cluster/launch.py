@@ -5,11 +5,15 @@
     agentshare serve --disaggregated --prefill-workers 1 --decode-workers 2 --module coder=...
         └─ LocalCluster: one `agentshare worker` process per worker, each told its threads
            (and, when there are cores enough, its own cores); the router runs in this process
-    agentshare worker --role decode --port 8101 --module coder=... [--join http://router:8000]
-    agentshare router --worker http://host-a:8101 --worker http://host-b:8102
+    agentshare worker --role decode --port 8101 --module coder=... --cluster-secret-file S [--join URL]
+    agentshare router --worker http://host-a:8101 --worker http://host-b:8102 --cluster-secret-file S
 
 Threads: ``cores // workers`` each (at least one), so the processes never oversubscribe the
-cores with OpenMP threads that spin against each other (DESIGN §4).
+cores with OpenMP threads that spin against each other.
+
+Security: the workers a launcher starts listen on ``worker_host`` (127.0.0.1 unless asked),
+whatever address the router serves on, and get a cluster secret made for them
+(``ClusterSecret.generate()``) through their environment, never their command line.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import httpx
 
 from agentshare.local_server import die_with_parent, free_port
 from server.api.config import ServerConfig
+from server.cluster.auth import ClusterSecret
 from server.cluster.messages import Role
 from server.cluster.router import RouterConfig
 
@@ -84,13 +89,16 @@ class _Process:
 
 
 class LocalCluster:
-    """Worker processes on this host. ``with LocalCluster(...) as cluster: cluster.urls``."""
+    """Worker processes on this host, listening on ``config.host``.
+    ``with LocalCluster(...) as cluster: cluster.urls``; ``cluster.secret`` is theirs (made
+    here unless given)."""
 
     def __init__(
         self, specs: Sequence[WorkerSpec], config: ServerConfig, *, chunk_blocks: int = 32,
-        log_dir: Path | None = None, join: str | None = None,
+        log_dir: Path | None = None, join: str | None = None, secret: ClusterSecret | None = None,
     ) -> None:
         self.config, self.log_dir = config, log_dir
+        self.secret = secret or ClusterSecret.generate()
         self._procs: list[_Process] = []
         for i, spec in enumerate(specs):
             port = spec.port or free_port(config.host)
@@ -127,7 +135,7 @@ class LocalCluster:
             p.spec = replace(p.spec, env=dict(env))
         if p.log is not None:
             p.log.close()
-        environ = {**os.environ, "OMP_NUM_THREADS": str(p.spec.threads), **p.spec.env}
+        environ = {**os.environ, "OMP_NUM_THREADS": str(p.spec.threads), **p.spec.env, **self.secret.env()}
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             p.log = open(self.log_dir / f"worker-{index}-{p.spec.role}.log", "ab")  # noqa: SIM115 (closed in stop)
@@ -142,7 +150,7 @@ class LocalCluster:
                     raise RuntimeError(f"worker {i} ({p.spec.role}) exited with {p.proc.returncode} while starting"
                                        + (f"; see {self.log_dir}" if self.log_dir else ""))
                 try:
-                    if httpx.get(f"{p.url}/internal/info", timeout=2.0).status_code == 200:
+                    if httpx.get(f"{p.url}/internal/info", headers=self.secret.headers(), timeout=2.0).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
@@ -192,8 +200,8 @@ class LocalCluster:
 
 
 def serve_worker(
-    config: ServerConfig, *, role: Role, chunk_blocks: int = 32, cpus: Sequence[int] = (), join: str | None = None,
-    kv_port: int = 0, advertise: str | None = None,
+    config: ServerConfig, *, role: Role, secret: ClusterSecret, chunk_blocks: int = 32, cpus: Sequence[int] = (),
+    join: str | None = None, kv_port: int = 0, advertise: str | None = None,
 ) -> None:
     """Run one worker until interrupted (blocks)."""
     import uvicorn
@@ -216,7 +224,8 @@ def serve_worker(
                        config=config.engine_config(), base_name=config.base_name)
     engine = AsyncEngine(core)
     url = advertise or f"http://{config.host}:{config.port}"
-    worker = Worker(engine, role=role, url=url, threads=config.threads or 1, kv_host=config.host, kv_port=kv_port,
+    worker = Worker(engine, role=role, url=url, threads=config.threads or 1, secret=secret, kv_host=config.host,
+                    kv_port=kv_port,
                     chunk_blocks=chunk_blocks, faults=FaultPlan.parse(os.environ.get("AGENTSHARE_FAULT")),
                     join=join)
     log.info("worker", extra={"event": "worker", "role": role, "url": url, "agents": ",".join(core.modules),
@@ -226,7 +235,10 @@ def serve_worker(
                 log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
 
 
-def serve_router(config: ServerConfig, workers: Sequence[str], router: RouterConfig = RouterConfig()) -> None:
+def serve_router(
+    config: ServerConfig, workers: Sequence[str], router: RouterConfig = RouterConfig(), *, secret: ClusterSecret,
+    admin_key: str | None = None,
+) -> None:
     """Run the router (the public API) over running workers until interrupted (blocks)."""
     import uvicorn
     from transformers import AutoTokenizer
@@ -238,7 +250,8 @@ def serve_router(config: ServerConfig, workers: Sequence[str], router: RouterCon
 
     configure_logging(config.log_level)
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir or default_model_dir())
-    backend = ClusterBackend.connect([w.rstrip("/") for w in workers], tokenizer, router)
+    backend = ClusterBackend.connect([w.rstrip("/") for w in workers], tokenizer, router, secret=secret,
+                                     admin_key=admin_key)
     log.info("router", extra={"event": "router", "workers": ",".join(workers), "agents": ",".join(backend.facts.agents),
                               "codec": router.codec.value, "transport": router.transport,
                               "threshold": router.policy.threshold_tokens})
@@ -249,9 +262,10 @@ def serve_router(config: ServerConfig, workers: Sequence[str], router: RouterCon
 
 def serve_disaggregated(
     config: ServerConfig, *, prefill: int, decode: int, router: RouterConfig = RouterConfig(),
-    threads: int | None = None, chunk_blocks: int = 32,
+    threads: int | None = None, chunk_blocks: int = 32, worker_host: str = "127.0.0.1", admin_key: str | None = None,
 ) -> None:
-    """``agentshare serve --disaggregated``: start the workers here, then serve the router."""
+    """``agentshare serve --disaggregated``: start the workers here (on ``worker_host``, with a
+    secret made for them), then serve the router (on ``config.host``)."""
     from server.api.logs import configure_logging
 
     configure_logging(config.log_level)
@@ -259,13 +273,13 @@ def serve_disaggregated(
     for i, s in enumerate(specs):
         log.info("plan", extra={"event": "plan", "worker": i, "role": s.role, "agents": ",".join(s.modules) or "base",
                                 "threads": s.threads, "cpus": ",".join(map(str, s.cpus)) or "shared"})
-    worker_config = ServerConfig(**{**_fields(config), "modules": {}, "threads": None})
+    worker_config = ServerConfig(**{**_fields(config), "modules": {}, "threads": None, "host": worker_host})
     cluster = LocalCluster(specs, worker_config, chunk_blocks=chunk_blocks)
     # uvicorn re-raises the SIGTERM it caught once it has shut down; with the default handler
     # that kills this process before the workers are stopped. Exit through Python instead.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with cluster, _router_threads(1):
-        serve_router(config, cluster.urls, router)
+        serve_router(config, cluster.urls, router, secret=cluster.secret, admin_key=admin_key)
 
 
 @contextlib.contextmanager

@@ -96,6 +96,8 @@ class WorkerStats(BaseModel):
     transfers_ok: int = 0
     transfers_failed: int = 0
     checksum_failures: int = 0
+    refused_requests: int = 0  # internal calls without the cluster secret (401)
+    refused_frames: int = 0  # KV connections whose frames failed authentication
     prefill_tok_s: float = 0.0  # measured by the engine (0: not yet)
     sent: dict[str, LinkFigures] = Field(default_factory=dict)  # per destination
     received: dict[str, LinkFigures] = Field(default_factory=dict)  # per source

@@ -19,6 +19,9 @@ Faults::
                          holding the module; after a token: it ends with an error event
     any worker           a health loop polls ``/internal/stats``; a worker that answers again
                          (restarted, or joining by URL from another host) rejoins
+
+Every call to a worker carries the cluster secret's token; a worker joins (``/internal/workers``)
+only with it. ``/internal/cluster`` (every worker's counters) needs the admin key.
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ from urllib.parse import urlsplit
 
 import httpx
 import torch
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from server.api.backend import CacheReport, EventSource
+from server.api.errors import ApiError
 from server.api.metrics import EngineSnapshot
 from server.api.state import AgentCard, EngineFacts
+from server.cluster.auth import HEADER, ClusterSecret, check_admin
 from server.cluster.codec import Codec, is_lossy
 from server.cluster.members import Member, WorkerDown, check_worker, facts_of
 from server.cluster.messages import (
@@ -121,10 +126,13 @@ class ClusterBackend:
 
     def __init__(
         self, facts: EngineFacts, members: Sequence[Member], config: RouterConfig = RouterConfig(), *,
-        transport: httpx.AsyncBaseTransport | None = None,
+        secret: ClusterSecret, admin_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """``transport``: how to reach the workers (default: the network; tests pass a mock)."""
+        """``secret``: the cluster's (its token goes with every call to a worker). ``admin_key``:
+        what ``/internal/cluster`` asks for (none: it answers no one). ``transport``: how to
+        reach the workers (default: the network; tests pass a mock)."""
         self.facts, self.config, self._transport = facts, config, transport
+        self.secret, self.admin_key = secret, admin_key
         self.members = list(members)
         self.stats = RouterStats()
         self._ids = itertools.count(len(self.members))
@@ -139,26 +147,34 @@ class ClusterBackend:
     # ---- start-up ------------------------------------------------------------------------------
 
     @classmethod
-    def connect(cls, urls: Sequence[str], tokenizer: Any, config: RouterConfig = RouterConfig()) -> ClusterBackend:
+    def connect(
+        cls, urls: Sequence[str], tokenizer: Any, config: RouterConfig = RouterConfig(), *, secret: ClusterSecret,
+        admin_key: str | None = None,
+    ) -> ClusterBackend:
         """Wait (blocking, up to ``config.connect_timeout``) until every worker answers, check
         that they serve one family, and build the API's facts from them."""
         deadline = time.monotonic() + config.connect_timeout
         infos: list[WorkerInfo] = []
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(timeout=5.0, headers=secret.headers()) as client:
             for url in urls:
                 while True:
                     try:
-                        infos.append(WorkerInfo.model_validate(client.get(f"{url}/internal/info").json()))
+                        r = client.get(f"{url}/internal/info")
+                        if r.status_code == 401:
+                            raise Unavailable(f"worker {url} refused the cluster secret: give router and workers "
+                                              "the same one (--cluster-secret-file)")
+                        infos.append(WorkerInfo.model_validate(r.json()))
                         break
                     except (httpx.HTTPError, ValueError) as exc:
                         if time.monotonic() > deadline:
                             raise Unavailable(f"worker {url} did not come up within {config.connect_timeout:g} s: {exc}") from exc
                         time.sleep(0.2)
         members = [Member(i, url, info, alive=True) for i, (url, info) in enumerate(zip(urls, infos, strict=True))]
-        return cls(facts_of(infos, tokenizer), members, config)
+        return cls(facts_of(infos, tokenizer), members, config, secret=secret, admin_key=admin_key)
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0), transport=self._transport)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0), transport=self._transport,
+                                         headers=self.secret.headers())
         self._health = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
@@ -446,10 +462,21 @@ class ClusterBackend:
         assert member.info is not None
         return member.info
 
+    def _member_only(self, request: Request) -> None:
+        if not self.secret.check(request.headers.get(HEADER)):
+            log.warning("join refused", extra={"event": "join_refused", "peer": request.client.host if request.client else ""})
+            raise ApiError(401, f"joining needs the cluster secret: send its token in {HEADER} (start the worker "
+                           "with --cluster-secret-file)", type="authentication_error", code="invalid_cluster_secret")
+
+    def _admin_only(self, request: Request) -> None:
+        if (why := check_admin(self.admin_key, request.headers.get("authorization"))) is not None:
+            raise ApiError(401, why, type="authentication_error", code="invalid_admin_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
     def _routes(self) -> APIRouter:
         r = APIRouter(prefix="/internal", include_in_schema=False)
 
-        @r.post("/workers")
+        @r.post("/workers", dependencies=[Depends(self._member_only)])
         async def join(body: Join) -> Any:
             try:
                 return await self.join(body.url.rstrip("/"))
@@ -458,7 +485,7 @@ class ClusterBackend:
             except InvalidRequest as exc:
                 return JSONResponse({"kind": "InvalidRequest", "message": str(exc)}, status_code=409)
 
-        @r.get("/cluster")
+        @r.get("/cluster", dependencies=[Depends(self._admin_only)])
         async def cluster() -> dict[str, Any]:
             stats = await asyncio.gather(*(self._stats(m) for m in self.members), return_exceptions=True)
             return {

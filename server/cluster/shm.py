@@ -3,8 +3,8 @@
 ::
 
     sender                        /dev/shm (tmpfs)                 receiver
-    write askv-<pid>-<token>-<seq> ──▶ file ──▶ copy out, unlink
-    "kv" {..., seq, shm: {name, length}} ────────────────────────▶ on_frame(payload inline)
+    write askv-<pid>-<token>-<seq> ──▶ file ──▶ copy out, check mac, unlink
+    "kv" {..., seq, shm: {name, length, mac}} ───────────────────▶ on_frame(payload inline)
                    ◀───────────────────────────────────────────── "ack" {seq}
 
 Plain files plus ``os.unlink`` rather than ``multiprocessing.shared_memory``: Python 3.11's
@@ -13,7 +13,9 @@ which breaks a receiver that outlives its sender. At most ``window`` payloads wa
 memory per transfer: the back-pressure that ``writer.drain()`` gives over TCP. The receiver
 removes each file once copied; the sender removes whatever is left when the transfer ends
 (finish, abort, or a receiver failure), so nothing outlives a transfer unless the sending
-process dies between writing a file and announcing it.
+process dies between writing a file and announcing it. The payload's HMAC (``mac``, bound to
+the transfer and ``seq``) travels in the frame's header, which its own tag covers: a file
+swapped in ``/dev/shm`` by another local process is refused.
 """
 
 from __future__ import annotations
@@ -123,12 +125,15 @@ class ShmSender(TCPSender):
         loop = asyncio.get_running_loop()
         started = loop.time()
         # a copy of megabytes: off the event loop, which may be serving HTTP meanwhile
-        length = await asyncio.to_thread(write_payload, path, frame.payload)
+        length, mac = await asyncio.to_thread(self._put, path, frame.payload, seq)
         self.stats.seconds += loop.time() - started
         self.stats.bytes += length
         await self._write(
-            Frame({**frame.header, "seq": seq, "shm": {"name": name, "length": length}})
+            Frame({**frame.header, "seq": seq, "shm": {"name": name, "length": length, "mac": mac}})
         )
+
+    def _put(self, path: Path, payload: bytes | bytearray | memoryview, seq: int) -> tuple[int, str]:
+        return write_payload(path, payload), self._out.payload_mac(payload, seq)
 
     def _on_ack(self, seq: int) -> None:
         if type(seq) is not int or seq not in self._pending:

@@ -11,7 +11,9 @@
     abort(r)  "abort" {reason}, close ─────────────▶ on_end(reason)
 
 A task reads the receiver's replies all along, so an ``error`` (a checksum failure, a full
-pool) stops the next ``send()`` instead of after the whole context has been pushed.
+pool) stops the next ``send()`` instead of after the whole context has been pushed. Every
+frame, both ways, carries its HMAC tag under ``key`` (``wire.Seal``), bound to the transfer
+once ``open`` is written.
 ``shm.ShmSender`` reuses all of this and only moves the payloads elsewhere.
 """
 
@@ -29,8 +31,9 @@ from server.cluster.errors import (
     TransferError,
     TransferRejected,
     TransferTimeout,
+    Unauthenticated,
 )
-from server.cluster.wire import LinkStats, control, read_frame, write_frame
+from server.cluster.wire import DATA, REPLY, LinkStats, Seal, control, read_frame, write_frame
 
 _OPEN_ACK, _END_ACK = 1, 2  # the plain acks a sender receives, in order
 
@@ -50,6 +53,7 @@ class TCPSender:
         codec: Codec,
         address: str,
         timeout: float,
+        key: bytes,
     ) -> None:
         self.stats = LinkStats()
         self.transfer_id = transfer_id
@@ -57,6 +61,7 @@ class TCPSender:
         self.address = address
         self.timeout = timeout
         self._reader, self._writer = reader, writer
+        self._out, self._in = Seal(key, DATA), Seal(key, REPLY)
         self._changed = asyncio.Condition()  # notified on every reply and on the end of replies
         self._acks = 0
         self._failure: TransferError | None = None
@@ -72,9 +77,11 @@ class TCPSender:
         *,
         codec: Codec,
         timeout: float,
+        key: bytes,
         meta: dict[str, Any] | None = None,
     ) -> Self:
-        """Connect, send ``open`` and wait for the receiver to accept the transfer."""
+        """Connect, send ``open`` and wait for the receiver to accept the transfer; ``key`` is
+        the cluster's KV key (``ClusterSecret.kv_key()``)."""
         address = f"{cls.mode}://{host}:{port}"
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -89,7 +96,8 @@ class TCPSender:
                 f"cannot connect to the KV receiver at {address}: {exc.strerror or exc}"
             ) from exc
         sender = cls(
-            reader, writer, transfer_id=transfer_id, codec=codec, address=address, timeout=timeout
+            reader, writer, transfer_id=transfer_id, codec=codec, address=address, timeout=timeout,
+            key=key,
         )
         sender.stats.seconds += loop.time() - started
         try:
@@ -103,6 +111,8 @@ class TCPSender:
                     **sender._open_fields(),
                 )
             )
+            sender._out.bind(transfer_id)  # the receiver binds both ways once it has read "open"
+            sender._in.bind(transfer_id)
             await sender._wait(lambda: sender._acks >= _OPEN_ACK, "accept the transfer")
         except BaseException:
             sender.stats.failures += 1
@@ -182,7 +192,7 @@ class TCPSender:
         started = loop.time()
         try:
             self.stats.bytes += await asyncio.wait_for(
-                write_frame(self._writer, frame), self.timeout
+                write_frame(self._writer, frame, self._out), self.timeout
             )
             self.stats.frames += 1
         except TimeoutError as exc:
@@ -224,7 +234,7 @@ class TCPSender:
         failure: TransferError | None = None
         try:
             while failure is None:
-                header = (await read_frame(self._reader, max_header=1 << 16, max_payload=0)).header
+                header = (await read_frame(self._reader, self._in, max_header=1 << 16, max_payload=0)).header
                 kind = header.get("kind")
                 if kind == "ack" and "seq" in header:
                     self._on_ack(header["seq"])
@@ -247,6 +257,11 @@ class TCPSender:
                     f"the KV receiver at {self.address} closed the connection during transfer "
                     f"{self.transfer_id} ({exc})"
                 )
+        except Unauthenticated as exc:
+            failure = Unauthenticated(
+                f"a reply of the KV receiver at {self.address} failed authentication ({exc}): the two ends "
+                "do not hold the same cluster secret"
+            )
         except TransferError as exc:
             failure = exc
         finally:

@@ -3,16 +3,19 @@
 ::
 
     prefill worker                                       decode worker
-    s = await open_sender("shm://h:p", tid, codec=c)     KVReceiver(handler).start()
+    s = await open_sender("shm://h:p", tid, codec=c,     KVReceiver(handler, key=k).start()
+                          key=k)
     await s.send(encode(chunk, c, block_size=B)) ──────▶ on_open, on_frame..., on_end
     await s.finish()       # acked: the KV is in         (one connection per transfer)
 
 ``tcp://`` carries payloads inline (any host); ``shm://`` carries the same control frames over
-TCP and the payloads through shared memory (same host only). One receiver serves both. Errors
+TCP and the payloads through shared memory (same host only). One receiver serves both. Both
+ends hold the cluster's KV key (``ClusterSecret.kv_key()``): every frame carries its HMAC, and a
+connection whose frame fails it is refused and counted (``KVReceiver.refused``). Errors
 (``errors.py``, re-exported here)::
 
-    TransferError ── ProtocolError · CorruptPayload · TransferClosed · TransferRejected
-                  └─ TransferTimeout
+    TransferError ── ProtocolError (── Unauthenticated) · CorruptPayload · TransferClosed
+                  └─ TransferRejected · TransferTimeout
 
 >>> import asyncio, torch
 >>> from server.cluster.codec import KVChunk, decode, encode
@@ -21,10 +24,11 @@ TCP and the payloads through shared memory (same host only). One receiver serves
 ...     async def on_frame(self, transfer_id, frame):
 ...         self.blocks += decode(frame, dtype=torch.float32).k.shape[2] // 4
 ...     async def on_end(self, transfer_id, error): self.error = error
+>>> key = b"k" * 32
 >>> async def demo(handler):
-...     receiver = KVReceiver(handler)
+...     receiver = KVReceiver(handler, key=key)
 ...     await receiver.start()
-...     sender = await open_sender(receiver.address("shm"), "t1", codec=Codec.INT8)
+...     sender = await open_sender(receiver.address("shm"), "t1", codec=Codec.INT8, key=key)
 ...     kv = torch.ones(2, 2, 8, 4)  # 2 blocks of 4 tokens
 ...     await sender.send(encode(KVChunk(0, kv, kv), Codec.INT8, block_size=4))
 ...     await sender.finish()
@@ -37,6 +41,7 @@ TCP and the payloads through shared memory (same host only). One receiver serves
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -50,10 +55,11 @@ from server.cluster.errors import (
     TransferError,
     TransferRejected,
     TransferTimeout,
+    Unauthenticated,
 )
 from server.cluster.shm import ShmSender, read_payload, shm_dir, take_probe
 from server.cluster.tcp import TCPSender
-from server.cluster.wire import LinkStats, control, receive_frame, write_frame
+from server.cluster.wire import DATA, REPLY, LinkStats, Seal, control, receive_frame, write_frame
 
 __all__ = [
     "CorruptPayload",
@@ -66,6 +72,7 @@ __all__ = [
     "TransferError",
     "TransferRejected",
     "TransferTimeout",
+    "Unauthenticated",
     "open_sender",
 ]
 
@@ -109,13 +116,15 @@ async def open_sender(
     transfer_id: str,
     *,
     codec: Codec,
+    key: bytes,
     timeout: float = 10.0,
     meta: dict[str, Any] | None = None,
 ) -> KVSender:
     """Open a transfer to the receiver at ``tcp://host:port`` or ``shm://host:port``.
 
-    ``timeout`` bounds the connect, each write and each awaited reply. ``meta`` (JSON-safe)
-    reaches the receiver's ``on_open`` as ``header["meta"]``.
+    ``key`` is the cluster's KV key (the receiver's). ``timeout`` bounds the connect, each
+    write and each awaited reply. ``meta`` (JSON-safe) reaches the receiver's ``on_open`` as
+    ``header["meta"]``.
     """
     parts = urlsplit(address)
     if parts.scheme not in _SENDERS or not parts.hostname or parts.port is None:
@@ -124,19 +133,21 @@ async def open_sender(
         )
     sender_cls = _SENDERS[parts.scheme]
     return await sender_cls.open(
-        parts.hostname, parts.port, transfer_id, codec=Codec(codec), timeout=timeout, meta=meta
+        parts.hostname, parts.port, transfer_id, codec=Codec(codec), timeout=timeout, key=key, meta=meta
     )
 
 
 class KVReceiver:
     """Listens on ``host:port`` (0: an ephemeral port); one connection per transfer; serves both
     TCP and shm senders. ``stats`` are keyed ``"<mode>://<peer host>"``: one link per peer and
-    kind, summed over its transfers."""
+    kind, summed over its transfers. ``refused`` counts connections whose frames failed
+    authentication under ``key`` (nothing of theirs reached the handler after that)."""
 
     def __init__(
         self,
         handler: ReceiveHandler,
         *,
+        key: bytes,
         host: str = "127.0.0.1",
         port: int = 0,
         idle_timeout: float = 30.0,
@@ -144,7 +155,10 @@ class KVReceiver:
     ) -> None:
         self.handler, self.host, self.port = handler, host, port
         self.idle_timeout, self.max_payload = idle_timeout, max_payload
+        Seal(key, DATA)  # refuses a short key now, not on the first connection
+        self._key = key
         self.stats: dict[str, LinkStats] = {}
+        self.refused = 0
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -188,17 +202,20 @@ class KVReceiver:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         peer = writer.get_extra_info("peername")
-        state = _Connection(peer=str(peer[0]) if peer else "unknown")
+        state = _Connection(str(peer[0]) if peer else "unknown", Seal(self._key, DATA), Seal(self._key, REPLY))
         drain = False
         try:
             await self._transfer(reader, writer, state)
         except Exception as exc:  # one bad connection must not stop the receiver
             state.error = _describe(exc)
             state.settle(ok=False)  # before telling the sender, who may look at our stats next
-            if not isinstance(exc, TransferError):
+            if isinstance(exc, Unauthenticated):
+                self.refused += 1
+                log.warning("KV frames refused", extra={"event": "kv_refused", "peer": state.peer, "error": str(exc)})
+            elif not isinstance(exc, TransferError):
                 log.warning("KV transfer from %s failed in the handler", state.peer, exc_info=exc)
             if not isinstance(exc, TransferClosed):
-                await _tell(writer, control("error", message=state.error))
+                await _tell(writer, control("error", message=state.error), state.reply)
                 drain = True
         finally:
             state.settle(ok=False)
@@ -215,8 +232,11 @@ class KVReceiver:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, state: _Connection
     ) -> None:
         """One transfer, from ``open`` to ``end`` or ``abort``; raises on anything else."""
-        frame, nbytes, seconds = await self._next(reader, state.peer)
+        # "open" has no payload: a peer without the key gets no more than a header read
+        frame, nbytes, seconds = await self._next(reader, state, max_payload=0)
         transfer_id, mode, codec = _check_open(frame.header)
+        state.data.bind(transfer_id)
+        state.reply.bind(transfer_id)
         if mode == "shm" and not take_probe(frame.header.get("shm_probe")):
             raise ProtocolError(
                 f"shm:// needs the sender on this host, but its probe file is not in {shm_dir()} "
@@ -228,13 +248,13 @@ class KVReceiver:
             await self.handler.on_open(transfer_id, frame.header)
         except Exception as exc:  # noqa: BLE001 - any refusal goes back to the sender
             state.settle(ok=False)
-            await _tell(writer, control("error", message=_describe(exc)))
+            await _tell(writer, control("error", message=_describe(exc)), state.reply)
             return
         state.opened = transfer_id
-        await self._reply(writer, control("ack"))
+        await self._reply(writer, control("ack"), state.reply)
         missing: str | None = None  # a withdrawn shm payload: no more on_frame, fail unless aborted
         while True:
-            frame, nbytes, seconds = await self._next(reader, state.peer)
+            frame, nbytes, seconds = await self._next(reader, state)
             _count(link, nbytes, seconds)
             header = frame.header
             kind = header.get("kind")
@@ -244,7 +264,7 @@ class KVReceiver:
                         f"kv frame of codec {header.get('codec')!r} in a {codec} transfer"
                     )
                 if "shm" in header:
-                    copied = await self._copy_out(writer, header, frame, mode, link)
+                    copied = await self._copy_out(writer, header, frame, mode, link, state)
                     if copied is None:
                         missing = missing or (
                             f"shared-memory payload {header['shm']['name']} was gone before the "
@@ -258,7 +278,7 @@ class KVReceiver:
                     raise ProtocolError(missing)
                 state.opened = None  # on_end is called now, whatever it does
                 await self.handler.on_end(transfer_id, None)
-                await self._reply(writer, control("ack"))
+                await self._reply(writer, control("ack"), state.reply)
                 state.settle(ok=True)
                 return
             elif kind == "abort":
@@ -267,14 +287,17 @@ class KVReceiver:
             else:
                 raise ProtocolError(f"unexpected {kind!r} frame in transfer {transfer_id}")
 
-    async def _next(self, reader: asyncio.StreamReader, peer: str) -> tuple[Frame, int, float]:
+    async def _next(
+        self, reader: asyncio.StreamReader, state: _Connection, *, max_payload: int | None = None
+    ) -> tuple[Frame, int, float]:
+        limit = self.max_payload if max_payload is None else max_payload
         try:
             return await asyncio.wait_for(
-                receive_frame(reader, max_payload=self.max_payload), self.idle_timeout
+                receive_frame(reader, state.data, max_payload=limit), self.idle_timeout
             )
         except TimeoutError as exc:
             raise TransferTimeout(
-                f"no complete frame from {peer} within {self.idle_timeout}s"
+                f"no complete frame from {state.peer} within {self.idle_timeout}s"
             ) from exc
 
     async def _copy_out(
@@ -284,6 +307,7 @@ class KVReceiver:
         frame: Frame,
         mode: str,
         link: LinkStats,
+        state: _Connection,
     ) -> Frame | None:
         shm, seq = header.get("shm"), header.get("seq")
         if mode != "shm":
@@ -292,9 +316,10 @@ class KVReceiver:
             not isinstance(shm, dict)
             or type(shm.get("name")) is not str
             or type(shm.get("length")) is not int
+            or type(shm.get("mac")) is not str
         ):
             raise ProtocolError(
-                f"kv header field 'shm' must be {{name: str, length: int}}, got {shm!r}"
+                f"kv header field 'shm' must be {{name: str, length: int, mac: str}}, got {shm!r}"
             )
         if type(seq) is not int or len(frame.payload):
             raise ProtocolError(
@@ -302,26 +327,38 @@ class KVReceiver:
             )
         loop = asyncio.get_running_loop()
         started = loop.time()
-        payload = await asyncio.to_thread(read_payload, shm["name"], shm["length"])
+        payload, mac = await asyncio.to_thread(self._take, shm["name"], shm["length"], seq, state.data)
         link.seconds += loop.time() - started
         if payload is None:  # withdrawn: the sender has closed, it awaits no ack (a write to its
             return None  # closed socket would reset the connection and lose its "abort" frame)
+        if not hmac.compare_digest(mac, shm["mac"]):
+            raise Unauthenticated(f"shared-memory payload {shm['name']} failed authentication (wrong HMAC): "
+                                  "it is not what the sender wrote")
         link.bytes += len(payload)
-        await _tell(writer, control("ack", seq=seq))  # best effort: an "abort" may follow
+        await _tell(writer, control("ack", seq=seq), state.reply)  # best effort: an "abort" may follow
         return Frame({k: v for k, v in header.items() if k not in ("shm", "seq")}, payload)
 
-    async def _reply(self, writer: asyncio.StreamWriter, frame: Frame) -> None:
+    @staticmethod
+    def _take(name: str, length: int, seq: int, seal: Seal) -> tuple[bytearray | None, str]:
+        """Copy a payload out of shared memory and compute its MAC (one thread, off the loop)."""
+        payload = read_payload(name, length)
+        return payload, "" if payload is None else seal.payload_mac(payload, seq)
+
+    async def _reply(self, writer: asyncio.StreamWriter, frame: Frame, seal: Seal) -> None:
         try:
-            await asyncio.wait_for(write_frame(writer, frame), self.idle_timeout)
+            await asyncio.wait_for(write_frame(writer, frame, seal), self.idle_timeout)
         except TimeoutError as exc:
             raise TransferTimeout(f"the sender took no reply for {self.idle_timeout}s") from exc
 
 
 @dataclass(slots=True)
 class _Connection:
-    """What one connection owes: its link's counters, and the ``on_end`` of an open transfer."""
+    """What one connection owes: its link's counters, and the ``on_end`` of an open transfer;
+    and the seals of its two directions."""
 
     peer: str
+    data: Seal
+    reply: Seal
     link: LinkStats | None = None
     opened: str | None = None
     error: str = "the receiver closed"
@@ -363,10 +400,10 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def _tell(writer: asyncio.StreamWriter, frame: Frame) -> None:
+async def _tell(writer: asyncio.StreamWriter, frame: Frame, seal: Seal) -> None:
     """Best effort: the peer may be gone already."""
     try:
-        await asyncio.wait_for(write_frame(writer, frame), 1.0)
+        await asyncio.wait_for(write_frame(writer, frame, seal), 1.0)
     except (TransferError, OSError, TimeoutError):
         pass
 

@@ -11,6 +11,11 @@ A worker is the ordinary server (its public API still answers) plus the internal
                                  need them wait for them (or, if the transfer fails, compute them)
         POST /internal/generate  run a request; NDJSON events, as the engine emits them
 
+Every ``/internal/...`` route needs the cluster secret's token (``X-Agentshare-Cluster``) and
+every KV frame its HMAC; calls and connections without them are refused and counted
+(``refused_requests``, ``refused_frames`` in the stats; ``agentshare_cluster_refused_total`` in
+``/metrics``). The public API answers as on any server (with its API keys).
+
 Faults for tests are injected with ``AGENTSHARE_FAULT`` (``kill_after_chunks=N``: the process
 exits right after sending its N-th chunk; ``corrupt_chunk=N``: flip a payload byte of chunk N
 after its checksum was taken).
@@ -22,16 +27,20 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.core import CounterMetricFamily, Metric
 
+from server.api.errors import ApiError
 from server.api.metrics import EngineSnapshot
 from server.api.state import EngineFacts
+from server.cluster.auth import HEADER, ClusterSecret
 from server.cluster.codec import Codec, Frame, decode, encode, is_lossy
 from server.cluster.errors import CorruptPayload, TransferError
 from server.cluster.handoff import Inbound, Outbound
@@ -91,6 +100,7 @@ class Counters:
     transfers_ok: int = 0
     transfers_failed: int = 0
     checksum_failures: int = 0
+    refused_requests: int = 0  # internal calls without the cluster secret
     sent: dict[str, LinkStats] = field(default_factory=dict)
 
 
@@ -98,11 +108,14 @@ class Worker:
     """The internal API of one worker process (an app plugin: routes plus start/stop)."""
 
     def __init__(
-        self, engine: AsyncEngine, *, role: Role, url: str, threads: int, kv_host: str = "127.0.0.1",
-        kv_port: int = 0, chunk_blocks: int = 32, faults: FaultPlan = FaultPlan(), join: str | None = None,
+        self, engine: AsyncEngine, *, role: Role, url: str, threads: int, secret: ClusterSecret,
+        kv_host: str = "127.0.0.1", kv_port: int = 0, chunk_blocks: int = 32, faults: FaultPlan = FaultPlan(),
+        join: str | None = None,
     ) -> None:
-        """``join``: a router's URL to announce this worker to (a worker on another host)."""
+        """``secret``: the cluster's (the router and the other workers hold it too). ``join``: a
+        router's URL to announce this worker to (a worker on another host)."""
         self.engine, self.role, self.url, self.threads = engine, role, url, threads
+        self.secret = secret
         self.facts = EngineFacts.of(engine.core)
         self.kv_dtype = engine.core.kv.spec.dtype
         self.chunk_blocks, self.faults = chunk_blocks, faults
@@ -110,7 +123,7 @@ class Worker:
         self._chunks_sent = 0  # by this process, for the injected faults
         self.inbound: dict[str, Inbound] = {}
         self._deadlines: dict[str, asyncio.TimerHandle] = {}
-        self.receiver = KVReceiver(self, host=kv_host, port=kv_port) if role == "decode" else None
+        self.receiver = KVReceiver(self, key=secret.kv_key(), host=kv_host, port=kv_port) if role == "decode" else None
         self.router = self._routes()
         self.join = join
         self._join_task: asyncio.Task[None] | None = None
@@ -130,7 +143,7 @@ class Worker:
     async def _join_loop(self, router: str, every: float = 5.0) -> None:
         """Tell the router where this worker is, and again every ``every`` seconds (idempotent),
         so a restarted router finds it too."""
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with httpx.AsyncClient(timeout=5.0, headers=self.secret.headers()) as client:
             while True:
                 try:
                     r = await client.post(f"{router.rstrip('/')}/internal/workers", json={"url": self.url})
@@ -174,6 +187,7 @@ class Worker:
             cross_module_hit_blocks=snap.cross_module_hit_blocks, evictions=snap.evictions,
             exported_blocks=c.exported_blocks, imported_blocks=c.imported_blocks, transfers_ok=c.transfers_ok,
             transfers_failed=c.transfers_failed, checksum_failures=c.checksum_failures, prefill_tok_s=rate,
+            refused_requests=c.refused_requests, refused_frames=self.receiver.refused if self.receiver else 0,
             sent={k: _figures(v) for k, v in c.sent.items()}, received={k: _figures(v) for k, v in received.items()},
         )
 
@@ -272,7 +286,7 @@ class Worker:
         sender = None
         blocks = 0
         try:
-            sender = await open_sender(body.destination, body.transfer_id, codec=codec)
+            sender = await open_sender(body.destination, body.transfer_id, codec=codec, key=self.secret.kv_key())
             while (item := await out.queue.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
@@ -341,8 +355,30 @@ class Worker:
 
     # ---- routes ------------------------------------------------------------------------------
 
+    def authorize(self, request: Request) -> None:
+        """A route dependency: the call carries the cluster secret's token, or gets 401."""
+        if not self.secret.check(request.headers.get(HEADER)):
+            self.counters.refused_requests += 1
+            log.warning("internal call refused", extra={"event": "internal_refused", "path": request.url.path,
+                                                        "peer": request.client.host if request.client else ""})
+            raise ApiError(401, f"internal endpoints need the cluster secret: send its token in {HEADER} "
+                           "(the launcher and --cluster-secret-file give it to router and workers)",
+                           type="authentication_error", code="invalid_cluster_secret")
+
+    def collect(self) -> Iterator[Metric]:
+        """The worker's own Prometheus figures (the app registers ``collector``)."""
+        refused = CounterMetricFamily("agentshare_cluster_refused", "Internal calls and KV connections refused "
+                                      "for want of the cluster secret", labels=["channel"])
+        refused.add_metric(["http"], self.counters.refused_requests)
+        refused.add_metric(["kv"], self.receiver.refused if self.receiver else 0)
+        yield refused
+
+    @property
+    def collector(self) -> Worker:
+        return self
+
     def _routes(self) -> APIRouter:
-        r = APIRouter(prefix="/internal", include_in_schema=False)
+        r = APIRouter(prefix="/internal", include_in_schema=False, dependencies=[Depends(self.authorize)])
         w = self
 
         async def call(fn: Any, *args: Any) -> Any:

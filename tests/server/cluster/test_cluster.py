@@ -1,29 +1,27 @@
 """The disaggregated server end to end: a router, one prefill worker and two decode workers as
-real processes on loopback (tiny model, fp32, one thread each), against the colocated server."""
+real processes on loopback (tiny model, fp32, one thread each), against the colocated server.
+
+The set (``cluster``, conftest) lives for the session; each test sends prompts of its own
+(``fresh``) and compares counters before and after, so it passes alone and in any order."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from server.api.config import ServerConfig
-from server.engine.build import load_engine
-from server.engine.core import EngineConfig
-from tests.server.cluster.conftest import Running, specs_1p2d, start_cluster
-from tests.server.helpers import running_server
+from tests.server.cluster.conftest import ADMIN_KEY, API_KEYS, Running, bearer, fresh
 
 DOC = "Shared notes: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))
 QUESTION = {"coder": "Write the code for item 4.", "planner": "Plan around item 9."}
 
 
-def chat(url: str, agent: str, doc: str, *, max_tokens: int = 10) -> dict[str, Any]:
-    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+def chat(url: str, agent: str, doc: str, *, max_tokens: int = 10, key: str = API_KEYS[0]) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/chat/completions", headers=bearer(key), timeout=120, json={
         "model": agent, "temperature": 0, "max_tokens": max_tokens,
         "messages": [{"role": "user", "content": doc}, {"role": "user", "content": QUESTION[agent]}]})
     assert r.status_code == 200, r.text
@@ -37,65 +35,53 @@ def both(url: str, doc: str) -> dict[str, dict[str, Any]]:
         return {a: f.result() for a, f in futures.items()}
 
 
-@pytest.fixture(scope="module")
-def colocated(tiny_model_dir: Path, agent_modules: dict[str, Path], worker_config: ServerConfig) -> Iterator[str]:
-    core = load_engine(tiny_model_dir, modules=agent_modules, dtype="float32", config=EngineConfig())
-    with running_server(core, worker_config) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def cluster(agent_modules, worker_config, tmp_path_factory) -> Iterator[Running]:
-    log_dir = tmp_path_factory.mktemp("cluster-logs")
-    with start_cluster(specs_1p2d(agent_modules), worker_config, log_dir,
-                       router_args=("--offload-threshold", "64", "--transfer-codec", "fp32")) as running:
-        try:
-            yield running
-        except BaseException:
-            print(running.logs())
-            raise
-
-
 def delta(after: list[dict], before: list[dict], key: str) -> list[int]:
     return [a[key] - b[key] for a, b in zip(after, before, strict=True)]
 
 
 def test_outputs_equal_the_colocated_server_and_the_prefix_is_prefilled_once(cluster: Running, colocated: str):
+    doc = fresh(DOC)
     before = cluster.stats()
-    got = both(cluster.url, DOC)
+    got = both(cluster.url, doc)
     after = cluster.stats()
-    want = {a: chat(colocated, a, DOC) for a in QUESTION}
+    want = {a: chat(colocated, a, doc) for a in QUESTION}
     for agent in QUESTION:
         assert got[agent]["choices"][0]["message"]["content"] == want[agent]["choices"][0]["message"]["content"]
         for k in ("prompt_tokens", "completion_tokens"):
             assert got[agent]["usage"][k] == want[agent]["usage"][k]
     computed = delta(after, before, "prefill_tokens")
-    prefix = computed[0]
-    # the prefill worker computed the shared prefix once, for two agents on two decode workers
-    assert prefix >= 256 and prefix % 16 == 0
-    assert after[0]["exported_blocks"] - before[0]["exported_blocks"] == 2 * prefix // 16
-    # each decode worker computed only its own suffix: nothing fell back to a local prefill
-    for i in (1, 2):
-        assert delta(after, before, "prompt_tokens")[i] - computed[i] == prefix
-        assert after[i]["imported_blocks"] - before[i]["imported_blocks"] == prefix // 16
-        assert after[i]["transfers_failed"] == 0
+    # each decode worker computed only its own suffix: the whole shared prefix (the full blocks
+    # before the agents' turn, the same for both) came from its cache or the prefill worker
+    reused = [delta(after, before, "prompt_tokens")[i] - computed[i] for i in (1, 2)]
+    prefix = reused[0]
+    assert reused == [prefix, prefix] and prefix >= 256 and prefix % 16 == 0
+    # the prefill worker computed it once, for two agents on two decode workers (less any head,
+    # such as the system prompt's block, it had cached before)
+    assert 256 <= computed[0] <= prefix
+    imported = [after[i]["imported_blocks"] - before[i]["imported_blocks"] for i in (1, 2)]
+    assert after[0]["exported_blocks"] - before[0]["exported_blocks"] == sum(imported)
+    assert all(after[i]["transfers_failed"] == before[i]["transfers_failed"] for i in (1, 2))
     # bytes: what the prefill worker sent is what the decode workers received (fp32 KV of the
     # tiny model: 2 (K, V) x 3 layers x 2 heads x 64 x 4 bytes per token, plus framing)
-    sent = sum(link["bytes"] for link in after[0]["sent"].values())
-    received = sum(link["bytes"] for s in after[1:] for link in s["received"].values())
-    assert sent == received >= 2 * prefix * 3072
+    sent = sum(link["bytes"] for link in after[0]["sent"].values()) - \
+        sum(link["bytes"] for link in before[0]["sent"].values())
+    received = sum(link["bytes"] for s in after[1:] for link in s["received"].values()) - \
+        sum(link["bytes"] for s in before[1:] for link in s["received"].values())
+    assert sent == received >= sum(imported) * 16 * 3072
 
 
 def test_a_context_pinned_through_the_router_is_computed_once_for_every_agent(cluster: Running, colocated: str):
+    doc = fresh(DOC + " Context two.")
+
     def run(url: str) -> dict[str, list[int]]:
-        ctx = httpx.post(f"{url}/v1/contexts", timeout=60, json={"text": DOC + " Context two."}).json()
+        ctx = httpx.post(f"{url}/v1/contexts", headers=bearer(), timeout=60, json={"text": doc}).json()
         out = {}
         for agent in QUESTION:
-            r = httpx.post(f"{url}/v1/contexts/{ctx['id']}/generate", timeout=120, json={
+            r = httpx.post(f"{url}/v1/contexts/{ctx['id']}/generate", headers=bearer(), timeout=120, json={
                 "agent": agent, "text": QUESTION[agent], "max_tokens": 8, "temperature": 0})
             assert r.status_code == 200, r.text
             out[agent] = r.json()["token_ids"]
-        assert httpx.delete(f"{url}/v1/contexts/{ctx['id']}", timeout=30).json()["released"]
+        assert httpx.delete(f"{url}/v1/contexts/{ctx['id']}", headers=bearer(), timeout=30).json()["released"]
         return out
 
     before = cluster.stats()
@@ -117,11 +103,13 @@ def test_the_sdk_works_unchanged_against_the_router(cluster: Running, colocated:
 
     from agentshare import Agent, AsyncClient
 
+    doc = fresh("SDK. " + DOC)
+
     async def team(url: str) -> tuple[dict[str, tuple[int, ...]], int]:
-        async with AsyncClient(url) as client, await client.context("SDK. " + DOC) as ctx:
+        async with AsyncClient(url, api_key=API_KEYS[0]) as client, await client.context(doc) as ctx:
             result = await ctx.fork([Agent(a, instruction=q) for a, q in QUESTION.items()],
                                     max_tokens=6, temperature=0)
-            report = await client.explain("coder", [{"role": "user", "content": "SDK. " + DOC},
+            report = await client.explain("coder", [{"role": "user", "content": doc},
                                                     {"role": "user", "content": "next"}])
             return {a.agent: a.token_ids for a in result}, report.cached_tokens
 
@@ -132,10 +120,16 @@ def test_the_sdk_works_unchanged_against_the_router(cluster: Running, colocated:
 
 
 def test_the_router_reports_its_workers_and_decisions(cluster: Running):
+    """``/internal/cluster`` counts this test's own request: one routing decision more, and
+    (a long prefix never seen) an offload; the workers' counters are there too."""
+    before = cluster.cluster()["decisions"]
+    chat(cluster.url, "coder", fresh("Reported. " + DOC))
     info = cluster.cluster()
     assert [w["role"] for w in info["workers"]] == ["prefill", "decode", "decode"]
     assert all(w["alive"] for w in info["workers"])
-    assert info["decisions"].get("offloaded", 0) >= 2
+    assert sum(info["decisions"].values()) == sum(before.values()) + 1
+    assert info["decisions"].get("offloaded", 0) == before.get("offloaded", 0) + 1
+    assert info["workers"][1]["stats"]["imported_blocks"] >= 16
     metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
     assert "agentshare_prefill_tokens_total" in metrics
 
@@ -146,13 +140,13 @@ def test_the_router_keeps_a_short_prefill_local_and_offloads_a_long_one(cluster:
     a long one is offloaded to the prefill worker and moved."""
     decisions = cluster.cluster()["decisions"]
     before = cluster.stats()
-    chat(cluster.url, "coder", "A short note.")
+    chat(cluster.url, "coder", fresh("A short note."))
     mid = cluster.stats()
     assert mid[0]["prefill_tokens"] == before[0]["prefill_tokens"]  # the prefill worker did nothing
     assert mid[0]["exported_blocks"] == before[0]["exported_blocks"]
     assert mid[1]["imported_blocks"] == before[1]["imported_blocks"]
     assert mid[1]["prefill_tokens"] > before[1]["prefill_tokens"]
-    chat(cluster.url, "coder", "A long note. " + DOC)
+    chat(cluster.url, "coder", fresh("A long note. " + DOC))
     after = cluster.stats()
     assert after[0]["prefill_tokens"] - mid[0]["prefill_tokens"] >= 256
     assert after[1]["imported_blocks"] - mid[1]["imported_blocks"] >= 16
@@ -166,16 +160,16 @@ def test_the_router_keeps_a_short_prefill_local_and_offloads_a_long_one(cluster:
 
 def test_a_decode_worker_killed_is_skipped_and_rejoins_when_back(cluster: Running):
     cluster.workers.kill(2)  # the planner's only worker
-    r = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=60, json={
+    r = httpx.post(f"{cluster.url}/v1/chat/completions", headers=bearer(), timeout=60, json={
         "model": "planner", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]})
     assert r.status_code == 503, r.text
     assert "planner" in r.json()["error"]["message"]
-    assert chat(cluster.url, "coder", "Still serving. " + DOC)["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chat(cluster.url, "coder", fresh("Still serving. " + DOC))["choices"][0]["finish_reason"] in ("stop", "length")
     assert not cluster.cluster()["workers"][2]["alive"]
     cluster.workers.restart(2)
     cluster.workers.wait_ready()
     _until(lambda: cluster.cluster()["workers"][2]["alive"], "the restarted decode worker rejoins")
-    assert chat(cluster.url, "planner", DOC)["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chat(cluster.url, "planner", fresh(DOC))["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 @pytest.mark.parametrize(("fault", "check"), [
@@ -189,12 +183,12 @@ def test_a_failing_prefill_worker_loses_no_request(cluster: Running, colocated: 
     cluster.workers.restart(0, env={"AGENTSHARE_FAULT": fault})
     cluster.workers.wait_ready()
     _until(lambda: cluster.cluster()["workers"][0]["alive"], "the prefill worker rejoins")
-    doc = f"Fault case {check}. " + DOC  # new from the first block: the whole prefix moves
+    doc = fresh(f"Fault case {check}. " + DOC)  # new from the first block: the whole prefix moves
     before = cluster.stats()
     got = chat(cluster.url, "coder", doc)
     want = chat(colocated, "coder", doc)
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
-    d = cluster.stats()[1] if check == "corrupt" else httpx.get(f"{cluster.workers.urls[1]}/internal/stats").json()
+    d = httpx.get(f"{cluster.workers.urls[1]}/internal/stats", headers=cluster.internal, timeout=10).json()
     assert d["transfers_failed"] > before[1]["transfers_failed"]
     assert d["imported_blocks"] - before[1]["imported_blocks"] <= 2  # at most the first chunk was kept
     if check == "killed":
@@ -219,8 +213,11 @@ def _until(cond, what: str, timeout: float = 30.0) -> None:
 def test_serve_disaggregated_starts_a_working_set_with_one_command_and_stops_it(
     tiny_model_dir: Path, agent_modules: dict[str, Path], tmp_path: Path
 ):
-    """``agentshare serve --disaggregated``: workers are started (each told its threads), the
-    router answers, and SIGTERM stops every process it started."""
+    """``agentshare serve --disaggregated``: workers are started (each told its threads and the
+    secret the launcher made, never on a command line), the router answers, and SIGTERM stops
+    every process it started. The router listens where it is told (here every interface, as
+    the probe ran it); the workers on 127.0.0.1 only, their HTTP and KV ports alike."""
+    import os
     import signal
     import subprocess
     import sys
@@ -228,26 +225,41 @@ def test_serve_disaggregated_starts_a_working_set_with_one_command_and_stops_it(
     import psutil
 
     from agentshare.local_server import free_port
+    from server.cluster.auth import SECRET_ENV, ClusterSecret
 
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    env = {**os.environ, "AGENTSHARE_ADMIN_KEY": ADMIN_KEY, "AGENTSHARE_API_KEYS": " ".join(API_KEYS)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--disaggregated", "--prefill-workers", "1",
-         "--decode-workers", "1", "--port", str(port), "--model", str(tiny_model_dir), "--dtype", "float32",
-         "--kv-cache", "16MiB", "--module", f"coder={agent_modules['coder']}", "--log-level", "info"],
-        stdout=log, stderr=subprocess.STDOUT)
+         "--decode-workers", "1", "--host", "0.0.0.0", "--port", str(port), "--model", str(tiny_model_dir),
+         "--dtype", "float32", "--kv-cache", "16MiB", "--module", f"coder={agent_modules['coder']}",
+         "--log-level", "info"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         from tests.server.cluster.conftest import _wait
 
         _wait(url, proc)
-        info = httpx.get(f"{url}/internal/cluster", timeout=10).json()
+        assert httpx.get(f"{url}/internal/cluster", timeout=10).status_code == 401
+        info = httpx.get(f"{url}/internal/cluster", headers=bearer(ADMIN_KEY), timeout=10).json()
         assert [w["role"] for w in info["workers"]] == ["prefill", "decode"]
         assert info["workers"][1]["agents"] == ["base", "coder"]
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) == 2
-        out = chat(url, "coder", "One command. " + DOC, max_tokens=4)
+        out = chat(url, "coder", fresh("One command. " + DOC), max_tokens=4)
         assert out["usage"]["completion_tokens"] == 4
+        listening = {c.pid: sorted({s.laddr.ip for s in c.net_connections("inet") if s.status == psutil.CONN_LISTEN})
+                     for c in children}
+        assert listening == {c.pid: ["127.0.0.1"] for c in children}, listening  # HTTP and KV ports
+        assert {s.laddr.ip for s in psutil.Process(proc.pid).net_connections("inet")
+                if s.status == psutil.CONN_LISTEN} == {"0.0.0.0"}
+        secret = children[0].environ()[SECRET_ENV]
+        assert all(secret not in " ".join(c.cmdline()) for c in [psutil.Process(proc.pid), *children])
+        worker_url = info["workers"][1]["url"]
+        assert httpx.get(f"{worker_url}/internal/info", timeout=10).status_code == 401
+        token = ClusterSecret(secret).headers()
+        assert httpx.get(f"{worker_url}/internal/info", headers=token, timeout=10).status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from server.cluster.codec import Codec, Frame, KVChunk, decode, encode, is_lossy
-from server.cluster.errors import CorruptPayload, ProtocolError, TransferClosed
-from server.cluster.wire import MAGIC, PREFIX, VERSION, read_frame, write_frame
+from server.cluster.errors import CorruptPayload, ProtocolError, TransferClosed, Unauthenticated
+from server.cluster.wire import DATA, MAGIC, PREFIX, TAG, VERSION, Seal, read_frame, write_frame
 
 torch.set_num_threads(1)
 
@@ -218,17 +218,24 @@ def test_is_lossy_table() -> None:
 # -- wire ------------------------------------------------------------------------------------
 
 
-async def parse(data: bytes, **limits: int) -> Frame:
+KEY = b"wire-test-key-0123456789abcdef"
+
+
+async def parse(data: bytes, key: bytes = KEY, **limits: int) -> Frame:
     reader = asyncio.StreamReader()
     reader.feed_data(data)
     reader.feed_eof()
-    return await read_frame(reader, **limits)
+    return await read_frame(reader, Seal(key, DATA), **limits)
 
 
 def raw_frame(
-    header: bytes, payload: bytes = b"", *, magic: bytes = MAGIC, version: int = VERSION
+    header: bytes, payload: bytes = b"", *, magic: bytes = MAGIC, version: int = VERSION, key: bytes = KEY
 ) -> bytes:
-    return PREFIX.pack(magic, version, len(header), len(payload)) + header + payload
+    """A frame as the wire has it, tagged under ``key`` as the first frame of a connection."""
+    head = PREFIX.pack(magic, version, len(header), len(payload)) + header
+    mac = Seal(key, DATA).start(head)
+    mac.update(payload)
+    return head + payload + mac.digest()
 
 
 def test_wire_round_trip_over_a_socket() -> None:
@@ -238,12 +245,12 @@ def test_wire_round_trip_over_a_socket() -> None:
         got: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            got.set_result(await read_frame(reader))
+            got.set_result(await read_frame(reader, Seal(KEY, DATA)))
             writer.close()
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         _, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
-        written = await write_frame(writer, frame)
+        written = await write_frame(writer, frame, Seal(KEY, DATA))
         received = await asyncio.wait_for(got, 5)
         writer.close()
         server.close()
@@ -252,7 +259,7 @@ def test_wire_round_trip_over_a_socket() -> None:
     received, written = asyncio.run(main())
     assert received.header == frame.header and received.payload == frame.payload
     header_len = len(json.dumps(frame.header, separators=(",", ":")))
-    assert written == PREFIX.size + header_len + len(frame.payload)
+    assert written == PREFIX.size + header_len + len(frame.payload) + TAG
     assert torch.equal(
         decode(received, dtype=torch.float32).k, roundtrip(kv(2), Codec.INT8, torch.float32).k
     )
@@ -262,7 +269,9 @@ def test_wire_round_trip_over_a_socket() -> None:
     ("data", "message"),
     [
         (raw_frame(b"{}", magic=b"HTTP"), "bad magic"),
-        (raw_frame(b"{}", version=2), "version 2"),
+        (raw_frame(b"{}", version=1), "version 1 carries no valid authentication"),
+        (raw_frame(b"{}", key=b"another-key-0123456789abcdef"), "failed authentication"),
+        (raw_frame(b"{}")[:-1] + b"\x00", "failed authentication"),
         (raw_frame(b"{" * 64), "header of 64 bytes exceeds"),
         (raw_frame(b"{not json"), "not valid UTF-8 JSON"),
         (raw_frame(b"\xff\xfe"), "not valid UTF-8 JSON"),
@@ -275,7 +284,7 @@ def test_bad_frames_are_protocol_errors(data: bytes, message: str) -> None:
         asyncio.run(parse(data, max_header=32))
 
 
-@pytest.mark.parametrize("cut", [0, 3, PREFIX.size + 2, PREFIX.size + 11])
+@pytest.mark.parametrize("cut", [0, 3, PREFIX.size + 2, PREFIX.size + 11, PREFIX.size + 19 + TAG - 1])
 def test_truncated_stream_is_transfer_closed(cut: int) -> None:
     data = raw_frame(b'{"kind":"x"}', b"payload")
     with pytest.raises(TransferClosed):
@@ -284,10 +293,30 @@ def test_truncated_stream_is_transfer_closed(cut: int) -> None:
 
 def test_write_frame_rejects_a_non_json_header() -> None:
     async def main() -> None:
-        await write_frame(None, Frame({"x": float("nan")}))  # type: ignore[arg-type]
+        await write_frame(None, Frame({"x": float("nan")}), Seal(KEY, DATA))  # type: ignore[arg-type]
 
     with pytest.raises(ProtocolError, match="JSON-safe"):
         asyncio.run(main())
+
+
+def test_a_tag_binds_the_frame_to_its_direction_place_and_transfer() -> None:
+    """A genuine frame read as another direction, another position on the connection, or
+    another transfer fails authentication: frames cannot be reflected, reordered or replayed."""
+    data = raw_frame(b'{"kind":"end"}')
+    assert asyncio.run(parse(data)).header == {"kind": "end"}
+
+    async def read_as(seal: Seal) -> Frame:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_frame(reader, seal)
+
+    second, bound, reply = Seal(KEY, DATA), Seal(KEY, DATA), Seal(KEY, b"reply")
+    second.count = 1
+    bound.bind("another-transfer")
+    for seal in (second, bound, reply):
+        with pytest.raises(Unauthenticated):
+            asyncio.run(read_as(seal))
 
 
 def test_prefix_layout_is_17_little_endian_bytes() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from agentshare.protocol import AgentInfo
 from server.api.state import AgentCard, EngineFacts
+from server.cluster.auth import HEADER, ClusterSecret
 from server.cluster.members import Member, facts_of
 from server.cluster.messages import WorkerInfo, WorkerStats
 from server.cluster.router import ClusterBackend, RouterConfig
@@ -21,6 +22,7 @@ from server.engine.sequence import FinishReason
 from server.prompt import Prompt
 
 PROMPT = Prompt((1, 2, 3, 4, 5), 0, 0, 5)  # no full block before the IP: nothing to offload
+SECRET = ClusterSecret.generate()
 CODER = AgentInfo(name="coder", kind="lora", family="fam", shares_prefill=True, placement="turn")
 
 
@@ -52,7 +54,8 @@ class Broken(httpx.AsyncByteStream):
 def backend(handler: Callable[[httpx.Request], httpx.Response]) -> ClusterBackend:
     members = [Member(0, "http://d1", info("http://d1"), alive=True), Member(1, "http://d2", info("http://d2"), alive=True)]
     facts = EngineFacts("fam", {"coder": AgentCard("coder", "lora", "fam", True)}, None, 16, 4096)
-    return ClusterBackend(facts, members, RouterConfig(health_interval=3600), transport=httpx.MockTransport(handler))
+    return ClusterBackend(facts, members, RouterConfig(health_interval=3600), secret=SECRET,
+                          transport=httpx.MockTransport(handler))
 
 
 async def run(b: ClusterBackend) -> tuple[list, list[str]]:
@@ -191,3 +194,32 @@ def test_a_worker_joins_by_url_and_then_takes_requests():
     events, alive = asyncio.run(go())
     assert [e.token_id for e in events] == [7, 8]
     assert alive == ["http://x"]
+
+
+def test_every_call_to_a_worker_carries_the_cluster_token():
+    """Workers refuse internal calls without it: the router sends it on each one (info, stats,
+    generate), and never the secret itself."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/internal/info":
+            return httpx.Response(200, json=info(f"http://{request.url.host}").model_dump())
+        if request.url.path == "/internal/stats":
+            return httpx.Response(200, json=WorkerStats(role="decode").model_dump())
+        return httpx.Response(200, content=lines(TOKEN, END))
+
+    async def go() -> None:
+        b = backend(handler)
+        await b.start()
+        try:
+            await b.join("http://x")
+            stream = await b.submit("r1", "coder", PROMPT, SamplingParams(max_tokens=2))
+            assert [ev.token_id async for ev in stream] == [7, 8]
+        finally:
+            await b.stop()
+
+    asyncio.run(go())
+    assert {r.url.path for r in seen} >= {"/internal/info", "/internal/generate"}
+    assert all(r.headers.get(HEADER) == SECRET.http_token() for r in seen)
+    assert not any(SECRET._value.decode() in str(r.headers) for r in seen)

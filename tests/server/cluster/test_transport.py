@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -24,14 +25,16 @@ from server.cluster.transport import (
     TransferClosed,
     TransferRejected,
     TransferTimeout,
+    Unauthenticated,
     open_sender,
 )
-from server.cluster.wire import control, read_frame, write_frame
+from server.cluster.wire import DATA, REPLY, Seal, control, read_frame, write_frame
 
 torch.set_num_threads(1)
 
 BLOCK = 4
 MODES = ["tcp", "shm"]
+KEY = b"transport-test-key-0123456789ab"  # the cluster's KV key in these tests
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -49,6 +52,12 @@ def chunk(
 
 def frames(codec: Codec, n: int = 3, seed: int = 0) -> list[Frame]:
     return [encode(chunk(2 * i, seed=seed), codec, block_size=BLOCK) for i in range(n)]
+
+
+def bound(direction: bytes, transfer_id: str) -> Seal:
+    seal = Seal(KEY, direction)
+    seal.bind(transfer_id)
+    return seal
 
 
 def leftovers() -> list[Path]:
@@ -91,7 +100,7 @@ def run(
     **kw: Any,
 ) -> Any:
     async def main() -> Any:
-        receiver = KVReceiver(handler or Recorder(), **kw)
+        receiver = KVReceiver(handler or Recorder(), key=KEY, **kw)
         await receiver.start()
         try:
             return await asyncio.wait_for(body(receiver, receiver.handler), 20)  # type: ignore[arg-type]
@@ -113,7 +122,7 @@ def test_frames_arrive_in_order_and_stats_agree(mode: str, codec: Codec) -> None
     sent = frames(codec)
 
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
-        sender = await open_sender(receiver.address(mode), "t1", codec=codec, meta={"model": "m"})
+        sender = await open_sender(receiver.address(mode), "t1", codec=codec, key=KEY, meta={"model": "m"})
         for frame in sent:
             await sender.send(frame)
         await sender.finish()
@@ -138,11 +147,12 @@ def test_frames_arrive_in_order_and_stats_agree(mode: str, codec: Codec) -> None
 @pytest.mark.parametrize("mode", MODES)
 def test_sender_gone_without_end_fails_the_transfer(mode: str) -> None:
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
-        sender = await open_sender(receiver.address(mode), "t1", codec=Codec.BF16)
+        sender = await open_sender(receiver.address(mode), "t1", codec=Codec.BF16, key=KEY)
         await sender.send(frames(Codec.BF16, 1)[0])
         sender._writer.transport.abort()  # type: ignore[attr-defined]  # the process died
         await ended(handler)
-        assert handler.ends[0][0] == "t1" and "closed" in (handler.ends[0][1] or "")
+        # EOF or a reset, depending on whether the receiver had written an ack (shm) first
+        assert handler.ends[0][0] == "t1" and (handler.ends[0][1] or "").startswith("TransferClosed")
         assert len(handler.frames["t1"]) <= 1
         assert receiver.stats[f"{mode}://127.0.0.1"].failures == 1
 
@@ -155,7 +165,7 @@ def test_corrupt_payload_rejects_the_transfer_and_the_receiver_keeps_serving(mod
     bad[1].payload[3] ^= 0xFF  # type: ignore[index]
 
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
-        sender = await open_sender(receiver.address(mode), "bad", codec=Codec.INT8)
+        sender = await open_sender(receiver.address(mode), "bad", codec=Codec.INT8, key=KEY)
         with pytest.raises(TransferRejected, match="CorruptPayload: KV payload checksum mismatch"):
             for frame in bad:
                 await sender.send(frame)
@@ -163,7 +173,7 @@ def test_corrupt_payload_rejects_the_transfer_and_the_receiver_keeps_serving(mod
         await ended(handler)
         assert handler.ends == [("bad", handler.ends[0][1])] and "checksum" in handler.ends[0][1]
         assert sender.stats.failures == 1 and sender.stats.transfers == 0
-        good = await open_sender(receiver.address(mode), "good", codec=Codec.INT8)
+        good = await open_sender(receiver.address(mode), "good", codec=Codec.INT8, key=KEY)
         for frame in frames(Codec.INT8, 2):
             await good.send(frame)
         await good.finish()
@@ -178,7 +188,7 @@ def test_corrupt_payload_rejects_the_transfer_and_the_receiver_keeps_serving(mod
 def test_rejected_open_raises_and_never_ends() -> None:
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
         with pytest.raises(TransferRejected, match="LookupError: unknown request r9"):
-            await open_sender(receiver.address("shm"), "r9", codec=Codec.BF16)
+            await open_sender(receiver.address("shm"), "r9", codec=Codec.BF16, key=KEY)
         assert handler.ends == []
 
     run(body, Recorder(refuse="unknown request r9"))
@@ -186,7 +196,7 @@ def test_rejected_open_raises_and_never_ends() -> None:
 
 def test_failing_on_end_rejects_finish() -> None:
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
-        sender = await open_sender(receiver.address("tcp"), "t1", codec=Codec.BF16)
+        sender = await open_sender(receiver.address("tcp"), "t1", codec=Codec.BF16, key=KEY)
         await sender.send(frames(Codec.BF16, 1)[0])
         with pytest.raises(TransferRejected, match="RuntimeError: pool full"):
             await sender.finish()
@@ -202,7 +212,7 @@ def test_abort_reaches_on_end_and_leaves_no_shared_memory(mode: str) -> None:
     handler.stall = asyncio.Event()  # the receiver holds the first frame: the rest wait in shm
 
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
-        sender = await open_sender(receiver.address(mode), "t1", codec=Codec.FP32)
+        sender = await open_sender(receiver.address(mode), "t1", codec=Codec.FP32, key=KEY)
         for frame in frames(Codec.FP32, 3):
             await sender.send(frame)
         if mode == "shm":
@@ -226,7 +236,7 @@ def test_a_stalled_receiver_applies_back_pressure(mode: str) -> None:
     frame = Frame({"kind": "kv", "codec": "bf16"}, big)  # never decoded: the handler stalls
 
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
-        sender = await open_sender(receiver.address(mode), "t1", codec=Codec.BF16, timeout=0.3)
+        sender = await open_sender(receiver.address(mode), "t1", codec=Codec.BF16, key=KEY, timeout=0.3)
         with pytest.raises(TransferTimeout, match="within 0.3s|for 0.3s"):
             for _ in range(30):
                 await sender.send(frame)
@@ -246,14 +256,14 @@ def test_connection_refused_names_the_address() -> None:
         port = s.getsockname()[1]  # closed again: nobody listens there
 
     with pytest.raises(TransferClosed, match=f"tcp://127.0.0.1:{port}"):
-        asyncio.run(open_sender(f"tcp://127.0.0.1:{port}", "t", codec=Codec.BF16))
+        asyncio.run(open_sender(f"tcp://127.0.0.1:{port}", "t", codec=Codec.BF16, key=KEY))
     with pytest.raises(ValueError, match="tcp://host:port"):
-        asyncio.run(open_sender(f"http://127.0.0.1:{port}", "t", codec=Codec.BF16))
+        asyncio.run(open_sender(f"http://127.0.0.1:{port}", "t", codec=Codec.BF16, key=KEY))
 
 
 def test_idle_sender_times_out_on_the_receiver() -> None:
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
-        sender = await open_sender(receiver.address("tcp"), "t1", codec=Codec.BF16)
+        sender = await open_sender(receiver.address("tcp"), "t1", codec=Codec.BF16, key=KEY)
         await ended(handler)
         assert "no complete frame" in (handler.ends[0][1] or "")
         with pytest.raises(TransferRejected, match="TransferTimeout"):
@@ -267,33 +277,35 @@ def test_receiver_survives_garbage_and_early_closes() -> None:
         port = receiver.port
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        reply = await read_frame(reader)
+        reply = await read_frame(reader, Seal(KEY, REPLY))
         assert reply.header["kind"] == "error" and "bad magic" in reply.header["message"]
         writer.close()
         _, writer = await asyncio.open_connection("127.0.0.1", port)  # connect, say nothing, leave
         writer.close()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)  # kv before open
-        await write_frame(writer, control("end"))
-        assert "starts with an 'open'" in (await read_frame(reader)).header["message"]
+        await write_frame(writer, control("end"), Seal(KEY, DATA))
+        assert "starts with an 'open'" in (await read_frame(reader, Seal(KEY, REPLY))).header["message"]
         writer.close()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)  # another host's shm
         elsewhere = control(
             "open", transfer_id="x", codec="bf16", mode="shm", shm_probe="askv-1-beef-probe"
         )
-        await write_frame(writer, elsewhere)
-        assert "needs the sender on this host" in (await read_frame(reader)).header["message"]
+        await write_frame(writer, elsewhere, Seal(KEY, DATA))
+        assert "needs the sender on this host" in (await read_frame(reader, bound(REPLY, "x"))).header["message"]
         writer.close()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)  # shm name escaping
         probe = f"askv-{os.getpid()}-abc-probe"
         (shm_dir() / probe).touch()
         opening = control("open", transfer_id="x", codec="bf16", mode="shm", shm_probe=probe)
-        await write_frame(writer, opening)
-        assert (await read_frame(reader)).header["kind"] == "ack"
-        shm = {"name": "../../etc/passwd", "length": 10}
-        await write_frame(writer, control("kv", codec="bf16", seq=0, shm=shm))
-        assert "invalid shared-memory payload name" in (await read_frame(reader)).header["message"]
+        out, back = Seal(KEY, DATA), bound(REPLY, "x")
+        await write_frame(writer, opening, out)
+        out.bind("x")
+        assert (await read_frame(reader, back)).header["kind"] == "ack"
+        shm = {"name": "../../etc/passwd", "length": 10, "mac": ""}
+        await write_frame(writer, control("kv", codec="bf16", seq=0, shm=shm), out)
+        assert "invalid shared-memory payload name" in (await read_frame(reader, back)).header["message"]
         writer.close()
-        sender = await open_sender(receiver.address("tcp"), "after", codec=Codec.BF16)
+        sender = await open_sender(receiver.address("tcp"), "after", codec=Codec.BF16, key=KEY)
         await sender.send(frames(Codec.BF16, 1)[0])
         await sender.finish()
         assert handler.ends[-1] == ("after", None)
@@ -305,9 +317,9 @@ def test_receiver_survives_garbage_and_early_closes() -> None:
 def test_closing_the_receiver_fails_transfers_in_progress() -> None:
     async def main() -> Recorder:
         handler = Recorder()
-        receiver = KVReceiver(handler)
+        receiver = KVReceiver(handler, key=KEY)
         await receiver.start()
-        sender = await open_sender(receiver.address("tcp"), "t1", codec=Codec.BF16)
+        sender = await open_sender(receiver.address("tcp"), "t1", codec=Codec.BF16, key=KEY)
         await sender.send(frames(Codec.BF16, 1)[0])
         await asyncio.sleep(0.05)
         await receiver.close()
@@ -321,15 +333,17 @@ def test_closing_the_receiver_fails_transfers_in_progress() -> None:
 
 def test_kv_frame_of_another_codec_is_refused_on_both_ends() -> None:
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
-        sender = await open_sender(receiver.address("tcp"), "t1", codec=Codec.BF16)
+        sender = await open_sender(receiver.address("tcp"), "t1", codec=Codec.BF16, key=KEY)
         with pytest.raises(ValueError, match="codec bf16"):
             await sender.send(frames(Codec.INT8, 1)[0])
         await sender.abort("bug")
         reader, writer = await asyncio.open_connection("127.0.0.1", receiver.port)
-        await write_frame(writer, control("open", transfer_id="t2", codec="bf16", mode="tcp"))
-        assert (await read_frame(reader)).header["kind"] == "ack"
-        await write_frame(writer, frames(Codec.INT8, 1)[0])
-        reply = (await read_frame(reader)).header
+        out, back = Seal(KEY, DATA), bound(REPLY, "t2")
+        await write_frame(writer, control("open", transfer_id="t2", codec="bf16", mode="tcp"), out)
+        out.bind("t2")
+        assert (await read_frame(reader, back)).header["kind"] == "ack"
+        await write_frame(writer, frames(Codec.INT8, 1)[0], out)
+        reply = (await read_frame(reader, back)).header
         assert reply["kind"] == "error" and "'int8' in a bf16 transfer" in reply["message"]
         writer.close()
         await ended(handler, 2)
@@ -368,7 +382,7 @@ class Digests:
 
 async def main():
     handler = Digests(int(sys.argv[1]))
-    receiver = KVReceiver(handler)
+    receiver = KVReceiver(handler, key=sys.argv[2].encode())
     await receiver.start()
     print(json.dumps({"port": receiver.port}), flush=True)
     await handler.done.wait()
@@ -393,7 +407,7 @@ def digest(sent: list[KVChunk], codec: Codec) -> str:
 def test_transfer_to_another_process_over_tcp_and_shm() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-c", RECEIVER, "2"], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env
+        [sys.executable, "-c", RECEIVER, "2", KEY.decode()], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env
     )
     try:
         assert proc.stdout is not None
@@ -404,7 +418,7 @@ def test_transfer_to_another_process_over_tcp_and_shm() -> None:
 
         async def send_all() -> None:
             for mode, codec in plan.items():
-                sender = await open_sender(f"{mode}://127.0.0.1:{port}", mode, codec=codec)
+                sender = await open_sender(f"{mode}://127.0.0.1:{port}", mode, codec=codec, key=KEY)
                 for c in chunks:
                     await sender.send(encode(c, codec, block_size=BLOCK))
                 await sender.finish()
@@ -421,3 +435,106 @@ def test_transfer_to_another_process_over_tcp_and_shm() -> None:
         assert ends[mode]["digest"] == digest(chunks, codec), mode
     assert lines[-1]["stats"] == sent_bytes
     assert leftovers() == []
+
+
+# -- authentication ------------------------------------------------------------------------------
+
+
+class Tap:
+    """A writer that keeps the bytes a sender writes (frames as the wire has them)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.data += data
+
+    async def drain(self) -> None:
+        pass
+
+
+async def wire_bytes(frame_list: list[Frame], transfer_id: str, key: bytes = KEY) -> list[bytes]:
+    """``open`` for ``transfer_id`` then ``frame_list``, each as its bytes on the wire."""
+    seal, out = Seal(key, DATA), []
+    for i, f in enumerate([control("open", transfer_id=transfer_id, codec="bf16", mode="tcp"), *frame_list]):
+        tap = Tap()
+        await write_frame(tap, f, seal)
+        if i == 0:
+            seal.bind(transfer_id)
+        out.append(bytes(tap.data))
+    return out
+
+
+async def push(port: int, data: list[bytes]) -> None:
+    """Write ``data`` blindly and wait for the receiver to hang up."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for d in data:
+            writer.write(d)
+        await writer.drain()
+        await asyncio.wait_for(reader.read(), 5)
+    except (ConnectionError, TimeoutError):
+        pass
+    writer.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sender_with_another_key_is_refused_before_its_transfer_opens(mode: str) -> None:
+    async def body(receiver: KVReceiver, handler: Recorder) -> None:
+        with pytest.raises(Unauthenticated, match="do not hold the same cluster secret"):
+            await open_sender(receiver.address(mode), "t1", codec=Codec.BF16, key=b"x" * 32)
+        assert receiver.refused == 1
+        assert handler.opened == {} and handler.ends == []  # nothing reached the handler
+        sender = await open_sender(receiver.address(mode), "t2", codec=Codec.BF16, key=KEY)
+        await sender.send(frames(Codec.BF16, 1)[0])
+        await sender.finish()
+        assert handler.ends == [("t2", None)] and receiver.refused == 1
+
+    run(body)
+
+
+def test_frames_without_a_tag_altered_or_replayed_into_another_transfer_are_refused() -> None:
+    """An old (untagged) frame, a payload byte flipped on the wire, and a genuine frame of
+    transfer A sent in transfer B: each is refused, counted, and never reaches ``on_frame``."""
+
+    async def body(receiver: KVReceiver, handler: Recorder) -> None:
+        kv = frames(Codec.BF16, 1)[0]
+        legacy = json.dumps(control("open", transfer_id="old", codec="bf16", mode="tcp").header).encode()
+        await push(receiver.port, [struct.pack("<4sBIQ", b"ASKV", 1, len(legacy), 0) + legacy])
+        altered = await wire_bytes([kv], "flip")
+        payload_byte = len(altered[1]) - 32 - 10  # inside the payload, before the tag
+        altered[1] = altered[1][:payload_byte] + bytes([altered[1][payload_byte] ^ 1]) + altered[1][payload_byte + 1:]
+        await push(receiver.port, altered)
+        a, b = await wire_bytes([kv], "A"), await wire_bytes([kv], "B")
+        await push(receiver.port, [b[0], a[1]])
+        await ended(handler, 2)  # "flip" and "B" were opened (their open frames were genuine)
+        assert receiver.refused == 3
+        assert handler.frames == {"flip": [], "B": []}
+        assert all("Unauthenticated" in (error or "") for _, error in handler.ends)
+
+    run(body)
+
+
+def test_a_shared_memory_payload_swapped_after_the_sender_wrote_it_is_refused() -> None:
+    async def body(receiver: KVReceiver, handler: Recorder) -> None:
+        probe = f"askv-{os.getpid()}-feed-probe"
+        (shm_dir() / probe).touch()
+        reader, writer = await asyncio.open_connection("127.0.0.1", receiver.port)
+        out, back = Seal(KEY, DATA), bound(REPLY, "s")
+        await write_frame(writer, control("open", transfer_id="s", codec="bf16", mode="shm", shm_probe=probe), out)
+        out.bind("s")
+        assert (await read_frame(reader, back)).header["kind"] == "ack"
+        kv = frames(Codec.BF16, 1)[0]
+        name = f"askv-{os.getpid()}-feed-0"
+        forged = bytes(len(kv.payload))  # what another local process put in its place
+        (shm_dir() / name).write_bytes(forged)
+        shm = {"name": name, "length": len(forged), "mac": out.payload_mac(kv.payload, 0)}
+        await write_frame(writer, Frame({**kv.header, "seq": 0, "shm": shm}), out)
+        reply = (await read_frame(reader, back)).header
+        assert reply["kind"] == "error" and "failed authentication" in reply["message"]
+        writer.close()
+        await ended(handler)
+        assert receiver.refused == 1 and handler.frames == {"s": []}
+        assert leftovers() == []
+
+    run(body)
