@@ -45,7 +45,7 @@ PIN_TTL = 120.0
 
 @pytest.fixture(scope="module")
 def keyed_url(tiny_model_dir: Path, lora_dirs: dict[str, Path]) -> Iterator[str]:
-    """The real server with one API key and a small KV pool (so 413 and 429 are reachable)."""
+    """The real server with two API keys (two tenants) and a small KV pool (so 413 and 429 are reachable)."""
     core = load_engine(tiny_model_dir, modules=lora_dirs, dtype="float32", config=EngineConfig(kv_cache_bytes=POOL))
     with running_server(core, ServerConfig(api_keys=(KEY, OTHER_KEY), kv_cache_bytes=POOL, default_max_tokens=8)) as url:
         yield url
