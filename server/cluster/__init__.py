@@ -24,4 +24,5 @@ KV moved between them (docs/cluster.md).
     shm.py        ShmSender: control over TCP, payloads through shared-memory files
     transport.py  open_sender, KVReceiver, the ReceiveHandler and KVSender protocols
     errors.py     the transfer error tree
+    auth.py       ClusterSecret (internal calls' token, KV frames' HMAC key), the router's admin key
 """

@@ -18,7 +18,7 @@ runs on the event loop and only ever sees copies::
                                                         waiting requests re-plan and prefill
                                                         the rest locally: never served unwritten
 
-Blocks that crossed a lossy codec are imported into the family's lossy namespace (DESIGN §2):
+Blocks that crossed a lossy codec are imported into the family's lossy namespace:
 only requests submitted with the same ``prefix_codec`` read them.
 """
 

@@ -16,6 +16,10 @@ import pytest
 
 from tests.server.cluster.conftest import ADMIN_KEY, API_KEYS, Running, bearer, fresh
 
+# the session's cluster starts in the first test's setup (about 25 s quiet, minutes on a loaded
+# machine), and the fault tests restart workers and wait for them in real time
+pytestmark = pytest.mark.timeout(600)
+
 DOC = "Shared notes: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(60))
 QUESTION = {"coder": "Write the code for item 4.", "planner": "Plan around item 9."}
 

@@ -26,6 +26,10 @@ from server.api.tenancy import Tenancy
 from server.cluster.codec import Codec, KVChunk, encode
 from tests.server.cluster.conftest import ADMIN_KEY, API_KEYS, Running, bearer
 
+# the session's cluster starts in the first test's setup (about 25 s quiet, minutes on a loaded
+# machine), and the fault tests restart workers and wait for them in real time
+pytestmark = pytest.mark.timeout(600)
+
 BLOCK = 16
 PREFIX = 4 * BLOCK  # the poisoned prefix: 4 blocks
 

@@ -10,9 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.server.cluster.conftest import API_KEYS, Running, bearer, fresh
 from tests.server.cluster.test_cluster import DOC, QUESTION, chat
+
+# the session's cluster starts in the first test's setup (about 25 s quiet, minutes on a loaded
+# machine), and the fault tests restart workers and wait for them in real time
+pytestmark = pytest.mark.timeout(600)
 
 A, B = API_KEYS
 
