@@ -11,6 +11,12 @@ command queue, and get their tokens back through one asyncio queue per request::
     (consumer leaves) ── Cancel ─────▶  core.cancel(): KV freed
     run(fn) ───────── Call ──────────▶  fn(core)  (stats, pins: anything touching the core)
 
+    watchdog thread: an iteration (commands + step + hooks) running past
+    ``EngineConfig.step_timeout`` ends every request the engine holds with an error, refuses new
+    work (``Unavailable``) and reports the engine degraded (:meth:`AsyncEngine.health`) until the
+    step returns; the thread then cancels those requests in the core (their KV freed) and serves
+    again. A step that raises ends its requests with an error; the thread keeps serving.
+
 >>> from server.engine.build import load_engine
 >>> from server.prompt import text_prompt
 >>> engine = AsyncEngine(load_engine(model_dir, dtype="float32"))
@@ -29,15 +35,16 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from server.engine.core import EngineCore
-from server.engine.errors import EngineError
+from server.engine.errors import EngineError, Unavailable
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import TokenEvent
+from server.engine.sequence import FinishReason, TokenEvent
 from server.prompt import Prompt
 
 T = TypeVar("T")
@@ -71,6 +78,18 @@ class EngineClosed(EngineError):
     """The engine was shut down."""
 
 
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """The engine thread's state, read without waiting for it: queue figures as of its last
+    iteration, and why it is degraded (None: it is not). ``stalls``: iterations the watchdog
+    stopped since start."""
+
+    waiting: int
+    running: int
+    degraded: str | None = None
+    stalls: int = 0
+
+
 class EventStream:
     """The events of one submitted request; ``aclose()`` before the end cancels it."""
 
@@ -101,15 +120,30 @@ class EventStream:
 class AsyncEngine:
     """Drive an :class:`EngineCore` from a background thread; stream tokens to asyncio."""
 
-    def __init__(self, core: EngineCore, *, idle_wait: float = 0.05) -> None:
+    def __init__(self, core: EngineCore, *, idle_wait: float = 0.05, step_timeout: float | None = None) -> None:
+        """``step_timeout``: the watchdog's limit (default: the core's ``config.step_timeout``)."""
         self.core = core
         self._inbox: queue.SimpleQueue[_Add | _Cancel | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
         self._idle_wait = idle_wait
         self._hooks: list[Callable[[EngineCore], None]] = []  # engine thread only
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="agentshare-engine", daemon=True)
+        self.step_timeout = step_timeout if step_timeout is not None else core.config.step_timeout
+        if not self.step_timeout > 0:
+            raise ValueError(f"step_timeout must be positive, got {self.step_timeout}")
+        # Shared with the watchdog, under _lock: the sinks, when the current iteration began,
+        # why the engine is degraded, and the requests the watchdog ended (to cancel in the core).
+        self._lock = threading.Lock()
+        self._busy_since: float | None = None
+        self._degraded: str | None = None
+        self._abandoned: set[str] = set()
+        self._counts = (0, 0)  # waiting, running after the last iteration
+        self.stalls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run_thread, name="agentshare-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="agentshare-watchdog", daemon=True)
         self._thread.start()
+        self._watchdog.start()
 
     # ---- caller side (event loop) ----------------------------------------------------------
 
@@ -155,7 +189,8 @@ class AsyncEngine:
 
         def add(core: EngineCore) -> None:
             core.add_context(context_id, token_ids, ttl=ttl, salt=salt)
-            self._sinks[context_id] = sink
+            with self._lock:
+                self._sinks[context_id] = sink
 
         await self.run(add)
         try:
@@ -182,17 +217,39 @@ class AsyncEngine:
         """Stop the thread; requests still running end with a cancellation."""
         if not self._closed:
             self._closed = True
+            self._stop.set()
             self._inbox.put(None)
             self._thread.join(timeout=30)
+
+    def health(self) -> EngineHealth:
+        """Degraded while an iteration runs past the watchdog's limit, or once the thread died;
+        never waits for the engine thread."""
+        with self._lock:
+            reason, since = self._degraded, self._busy_since
+        if reason is None and not self._thread.is_alive() and not self._closed:
+            reason = "the engine thread has stopped"
+        if reason is not None and since is not None and self._thread.is_alive():
+            reason = f"{reason}; it has now run for {time.monotonic() - since:.0f} s"
+        return EngineHealth(*self._counts, degraded=reason, stalls=self.stalls)
 
     def _send(self, cmd: _Add | _Cancel | _Call, *, quiet: bool = False) -> None:
         if self._closed:
             if quiet:
                 return
             raise EngineClosed("the engine is shut down")
-        self._inbox.put(cmd)
+        with self._lock:  # checked and queued at once: the watchdog drains under the same lock
+            if self._degraded is not None and not isinstance(cmd, _Cancel):
+                raise Unavailable(f"the engine cannot take work now ({self._degraded}); retry later")
+            self._inbox.put(cmd)
 
     # ---- engine thread ---------------------------------------------------------------------
+
+    def _run_thread(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in the loop itself: say so, fail what it held
+            log.critical("the engine thread died", exc_info=exc, extra={"event": "engine_died"})
+            self._stop_all(f"the engine thread died ({type(exc).__name__}: {exc})")
 
     def _loop(self) -> None:
         idle = True
@@ -211,14 +268,18 @@ class AsyncEngine:
                     cmds.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            with self._lock:
+                self._busy_since = time.monotonic()
             for cmd in cmds:
                 if cmd is None:
                     self._shutdown()
                     return
-                self._handle(cmd)
+                try:
+                    self._handle(cmd)
+                except Exception:  # a bug handling one command must not stop the engine
+                    log.exception("an engine command failed", extra={"event": "command_failed"})
             steps = self.core.stats.steps
-            self.core.expire()  # pins end on time even while nothing runs
-            events = self.core.step() if self.core.has_work else []
+            events = self._step()
             for event in events:
                 self._deliver(event)
             for hook in list(self._hooks):
@@ -227,7 +288,69 @@ class AsyncEngine:
                 except Exception:  # a hook's bug must not stop the engine
                     log.exception("step hook failed; removing it")
                     self._hooks.remove(hook)
+            self._settle()
             idle = not events and self.core.stats.steps == steps
+
+    def _step(self) -> list[TokenEvent]:
+        """One step; if the step itself raises (not one request: the core isolates those), end
+        every request it holds with the error and keep serving."""
+        try:
+            self.core.expire()  # pins end on time even while nothing runs
+            return self.core.step() if self.core.has_work else []
+        except Exception as exc:
+            log.exception("an engine step failed; its requests end with an error", extra={"event": "step_failed"})
+            return self.core.fail_all(f"the engine step failed ({type(exc).__name__}: {exc})")
+
+    def _settle(self) -> None:
+        """The iteration is over: cancel in the core what the watchdog ended meanwhile (their KV
+        freed), publish the queue figures, and leave the degraded state."""
+        with self._lock:
+            abandoned, self._abandoned = self._abandoned, set()
+            stalled, self._degraded, self._busy_since = self._degraded, None, None
+        for request_id in abandoned:
+            self.core.cancel(request_id)
+        self._counts = (len(self.core.waiting), len(self.core.running))
+        if stalled is not None:
+            log.warning("the engine recovered from a stuck step", extra={"event": "engine_recovered",
+                                                                          "error": stalled})
+
+    # ---- watchdog thread -------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        every = min(1.0, self.step_timeout / 4)
+        while not self._stop.wait(every):
+            with self._lock:
+                since, stalled = self._busy_since, self._degraded is not None
+            if since is not None and not stalled and time.monotonic() - since > self.step_timeout:
+                self.stalls += 1
+                log.error("an engine step is stuck; its requests end with an error",
+                          extra={"event": "engine_stuck", "limit_s": self.step_timeout})
+                self._stop_all(f"an engine step ran past the {self.step_timeout:g} s limit (step_timeout)",
+                               only_if_busy_since=since)
+
+    def _stop_all(self, reason: str, *, only_if_busy_since: float | None = None) -> None:
+        """Mark the engine degraded; end every request it holds, and every queued command, with
+        ``reason`` (from the watchdog, or from a dying engine thread)."""
+        with self._lock:
+            if only_if_busy_since is not None and self._busy_since != only_if_busy_since:
+                return  # that iteration ended meanwhile
+            self._degraded = reason
+            sinks, self._sinks = self._sinks, {}
+            self._abandoned.update(sinks)
+            queued: list[Any] = []
+            while True:
+                try:
+                    queued.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+        error = f"{reason}; the request was stopped: retry it"
+        for request_id, sink in sinks.items():
+            sink(TokenEvent(request_id, None, "", finish_reason=FinishReason.ERROR, error=error))
+        for cmd in queued:
+            if cmd is None:
+                self._inbox.put(None)  # a shutdown: leave it for the engine thread
+            elif isinstance(cmd, (_Add, _Call)):
+                _resolve(cmd.done, exc=Unavailable(f"the engine cannot take work now ({reason}); retry later"))
 
     def _wait_budget(self) -> float | None:
         """How long the idle thread may block: until the next pin deadline, or forever."""
@@ -242,24 +365,29 @@ class AsyncEngine:
                 self.core.add_request(cmd.request_id, cmd.module, cmd.prompt, cmd.params, salt=cmd.salt,
                                       prefix_codec=cmd.prefix_codec)
             except Exception as exc:
-                cmd.done.set_exception(exc)
+                _resolve(cmd.done, exc=exc)
                 return
-            self._sinks[cmd.request_id] = cmd.sink
-            cmd.done.set_result(None)
+            with self._lock:
+                self._sinks[cmd.request_id] = cmd.sink
+            if not _resolve(cmd.done):  # the caller stopped waiting (client gone): nobody reads it
+                self._handle(_Cancel(cmd.request_id))
         elif isinstance(cmd, _Cancel):
             event = self.core.cancel(cmd.request_id)
             if event is not None:
                 self._deliver(event)
         else:
             try:
-                cmd.done.set_result(cmd.fn(self.core))
+                result = cmd.fn(self.core)
             except Exception as exc:
-                cmd.done.set_exception(exc)
+                _resolve(cmd.done, exc=exc)
+            else:
+                _resolve(cmd.done, result)
 
     def _deliver(self, event: TokenEvent) -> None:
-        sink = self._sinks.get(event.request_id)
-        if event.finish_reason is not None:
-            self._sinks.pop(event.request_id, None)
+        with self._lock:
+            sink = self._sinks.get(event.request_id)
+            if event.finish_reason is not None:
+                self._sinks.pop(event.request_id, None)
         if sink is not None:
             sink(event)
 
@@ -268,3 +396,15 @@ class AsyncEngine:
             event = self.core.cancel(seq.request_id)
             if event is not None:
                 self._deliver(event)
+
+
+def _resolve(future: concurrent.futures.Future[Any], result: Any = None, *, exc: BaseException | None = None) -> bool:
+    """Complete a caller's future unless it was cancelled meanwhile (its awaiting task was, e.g.
+    the client left); False then. Setting a cancelled future raises, and would stop the thread."""
+    if not future.set_running_or_notify_cancel():
+        return False
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+    return True

@@ -15,10 +15,16 @@ One step::
 
 Who computes a position is decided here, once (DESIGN §2): positions < IP by the base,
 positions >= IP by the module; a module without a family manifest has IP 0 (private prefill).
+
+Failures stay with their request: a request that raises while being admitted, in the forward
+(the step is re-run one request at a time to find which), in the logits hook, the sampler or
+the detokenizer ends alone with ``FinishReason.ERROR`` and a message, its KV freed; the rest
+of the step goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -33,7 +39,7 @@ from server.engine.detokenize import Decoder, TextStream
 from server.engine.errors import InvalidRequest, Overloaded, PromptTooLong, UnknownModule
 from server.engine.forward import LlamaForward
 from server.engine.projection import LowRank, Projection, RowDeltaProjection
-from server.engine.sampling import SamplingParams, sample
+from server.engine.sampling import Sampled, SamplingParams, sample
 from server.engine.sequence import FinishReason, Phase, Sequence, TokenEvent
 from server.kv.keys import Layout, Namespace
 from server.kv.pool import BlockPool, BlockState, Pin, PrefixMatch
@@ -41,6 +47,9 @@ from server.kv.storage import KVStorage
 from server.modules.manifest import ModuleKind
 from server.modules.registry import DecodeModule
 from server.prompt import Prompt
+
+log = logging.getLogger("agentshare.engine")
+WorkItem = tuple[Sequence, int, int]  # a request, its first position in this step, how many
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,10 +63,15 @@ class EngineConfig:
     max_running: int = 64
     max_waiting: int = 1024
     share_prefill: bool = True
+    step_timeout: float = 60.0
+    """Seconds one step may run before the watchdog of :class:`AsyncEngine` fails its requests
+    and reports the engine degraded (vLLM's iteration timeout is 60 s too)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_step_tokens <= 0 or self.max_running <= 0:
             raise ValueError("block_size, max_step_tokens and max_running must be positive")
+        if not self.step_timeout > 0:
+            raise ValueError(f"step_timeout must be a positive number of seconds, got {self.step_timeout}")
 
 
 @dataclass(slots=True)
@@ -266,53 +280,111 @@ class EngineCore:
 
     def step(self) -> list[TokenEvent]:
         self.expire()
-        self._admit()
-        events: list[TokenEvent] = []
+        events = self._admit()
         self._resolve_pending()
         for seq in [s for s in self.running if s.pin_ttl is not None and not s.pending
                     and s.num_computed == len(s.tokens)]:
-            events.append(self._pin_context(seq))  # a context found whole in the cache: nothing to compute
+            events.append(self._alone(seq, self._pin_context))  # found whole in the cache: nothing to compute
         work = self._schedule()
         if not work:
             return events
         self.stats.steps += 1
         started = time.perf_counter()
-        try:
-            logits = self._run(work)
-        except Exception as exc:  # a bug or resource error: fail this step's requests, keep serving
-            for seq, _, _ in work:
-                events.append(self._finish(seq, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}"))
-            return events
+        done, failed = self._forward(work)
+        events += [self._fail(seq, exc) for seq, exc in failed]
         self.stats.observe_step(sum(n for _, _, n in work),
                                 sum(n for seq, _, n in work if seq.phase is Phase.PREFILL),
                                 time.perf_counter() - started)
         sampled_seqs, rows = [], []
-        for (seq, start, n), row in zip(work, logits, strict=True):
-            seq.num_computed = start + n
-            self._commit_blocks(seq)
-            if seq.num_computed == len(seq.tokens) and seq.pin_ttl is not None:
-                events.append(self._pin_context(seq))
-            elif seq.num_computed == len(seq.tokens):  # prompt done, or a decode step
-                sampled_seqs.append(seq)
-                rows.append(row)
-        if sampled_seqs:
-            if self.logits_hook is not None:
-                for seq, row in zip(sampled_seqs, rows, strict=True):
-                    self.logits_hook(seq.request_id, row)
-            forced = [_forced(s) for s in sampled_seqs]
-            outs = sample(torch.stack(rows), [s.params for s in sampled_seqs],
-                          [s.generator for s in sampled_seqs], forced)
-            for seq, out in zip(sampled_seqs, outs, strict=True):
-                events.append(self._emit(seq, out.token_id, out.logprob, out.top_logprobs))
+        for (seq, start, n), row in done:
+            try:
+                seq.num_computed = start + n
+                self._commit_blocks(seq)
+                if seq.num_computed == len(seq.tokens) and seq.pin_ttl is not None:
+                    events.append(self._pin_context(seq))
+                elif seq.num_computed == len(seq.tokens):  # prompt done, or a decode step
+                    if self.logits_hook is not None:
+                        self.logits_hook(seq.request_id, row)
+                    sampled_seqs.append(seq)
+                    rows.append(row)
+            except Exception as exc:
+                events.append(self._fail(seq, exc))
+        for seq, out in zip(sampled_seqs, self._sample(sampled_seqs, rows), strict=True):
+            if isinstance(out, Exception):
+                events.append(self._fail(seq, out))
+            else:
+                events.append(self._alone(seq, lambda s, o=out: self._emit(s, o.token_id, o.logprob, o.top_logprobs)))
         return events
 
-    def _admit(self) -> None:
+    def _forward(self, work: list[WorkItem]) -> tuple[list[tuple[WorkItem, torch.Tensor]], list[tuple[Sequence, Exception]]]:
+        """Run the step; if it raises, run each request alone (rewriting only its own, not yet
+        committed, positions) so that only the ones that fail by themselves fail."""
+        try:
+            return list(zip(work, self._run(work), strict=True)), []
+        except Exception as exc:
+            if len(work) == 1:
+                return [], [(work[0][0], exc)]
+        done: list[tuple[WorkItem, torch.Tensor]] = []
+        failed: list[tuple[Sequence, Exception]] = []
+        for item in work:
+            try:
+                done.append((item, self._run([item])[0]))
+            except Exception as exc:
+                failed.append((item[0], exc))
+        return done, failed
+
+    def _sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[Sampled | Exception]:
+        """One row at a time, so a row that raises fails its request only (each request draws from
+        its own generator: the batch never changed its tokens anyway)."""
+        outs: list[Sampled | Exception] = []
+        for seq, row in zip(seqs, rows, strict=True):
+            try:
+                outs.append(sample(row[None], [seq.params], [seq.generator], [_forced(seq)])[0])
+            except Exception as exc:
+                outs.append(exc)
+        return outs
+
+    def _alone(self, seq: Sequence, fn: Callable[[Sequence], TokenEvent]) -> TokenEvent:
+        try:
+            return fn(seq)
+        except Exception as exc:
+            return self._fail(seq, exc)
+
+    def _fail(self, seq: Sequence, exc: BaseException | str) -> TokenEvent:
+        """End one request that raised inside the step (or ``exc``: why), with its error; the
+        others go on."""
+        error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        log.error("a request failed inside the engine", exc_info=None if isinstance(exc, str) else exc,
+                  extra={"event": "request_failed", "request": seq.request_id, "error": error})
+        if seq.phase is Phase.WAITING and seq.blocks:  # it failed half-way through admission
+            self._drop_blocks(seq)
+        try:
+            return self._finish(seq, FinishReason.ERROR, error=error)
+        except Exception:  # its books are broken: forget it anyway, never fail the others
+            log.exception("could not free a failed request", extra={"event": "request_leaked", "request": seq.request_id})
+            for queue in (self.waiting, self.running):
+                if seq in queue:
+                    queue.remove(seq)
+            seq.phase, seq.finish_reason = Phase.FINISHED, FinishReason.ERROR
+            return TokenEvent(seq.request_id, None, "", finish_reason=FinishReason.ERROR, error=error)
+
+    def fail_all(self, error: str) -> list[TokenEvent]:
+        """End every request with ``error`` (the step itself broke: nothing tells whose fault)."""
+        return [self._fail(seq, error) for seq in [*self.waiting, *self.running]]
+
+    def _admit(self) -> list[TokenEvent]:
+        failed: list[TokenEvent] = []
         while self.waiting and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
-            if not self._reserve(seq):
-                return  # FIFO: wait for memory to free up
+            try:
+                if not self._reserve(seq):
+                    break  # FIFO: wait for memory to free up
+            except Exception as exc:
+                failed.append(self._fail(seq, exc))
+                continue
             self.waiting.popleft()
             self.running.append(seq)
+        return failed
 
     def _reserve(self, seq: Sequence) -> bool:
         prompt, bs = list(seq.prompt.token_ids), self.config.block_size
@@ -355,8 +427,8 @@ class EngineCore:
         self.waiting.appendleft(seq)
         self.stats.replans += 1
 
-    def _schedule(self) -> list[tuple[Sequence, int, int]]:
-        work: list[tuple[Sequence, int, int]] = []
+    def _schedule(self) -> list[WorkItem]:
+        work: list[WorkItem] = []
         budget = self.config.max_step_tokens
         for seq in self.running:
             if seq.phase is Phase.DECODE:
@@ -373,7 +445,7 @@ class EngineCore:
             budget -= n
         return work
 
-    def _run(self, work: list[tuple[Sequence, int, int]]) -> list[torch.Tensor]:
+    def _run(self, work: list[WorkItem]) -> list[torch.Tensor]:
         """Logits of the last row of each work item, in order."""
         calls: dict[str | None, list[int]] = {}
         for i, (seq, start, _) in enumerate(work):
