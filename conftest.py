@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import doctest
-import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from sybil import Sybil
 from sybil.integration.pytest import SybilItem
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
+from tests import smollm2
 from tests.notebook import LOOP, CellEvaluator, doctest_names, top_level_await
 
 TINY_LLAMA: dict[str, Any] = dict(
@@ -49,19 +49,7 @@ TINY_LLAMA: dict[str, Any] = dict(
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> Any:
     """The real SmolLM2-135M-Instruct tokenizer (with chat template), read from its GGUF."""
-    return _smollm2_tokenizer()
-
-
-@functools.cache
-def _smollm2_tokenizer() -> Any:
-    # Once per process, not per session: scripts/mutation runs a pytest session per mutant in
-    # processes forked from one that already read it (7 CPU-seconds each time otherwise).
-    from transformers import AutoTokenizer
-
-    from server.models.loader import default_gguf_path
-
-    gguf = default_gguf_path()
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return smollm2.tokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -176,13 +164,27 @@ def _doctest_namespace(request: pytest.FixtureRequest) -> Iterator[None]:
             del namespace[name]
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    for item in items:  # marked before -m deselects
         if isinstance(item, DoctestItem) and any(e.options.get(SLOW) for e in item.dtest.examples):
             item.add_marker(pytest.mark.slow)
         if isinstance(item, SybilItem) and "sybil:default-model" in item.name:
             item.add_marker(pytest.mark.slow)
+    yield
+    # A document's blocks run together and in order, as a notebook's cells, even in a shuffled run
+    # (pytest-randomly shuffles them with the doctests, as items of no module): put them back so,
+    # where the first of them stands.
+    first = next((i for i, item in enumerate(items) if isinstance(item, SybilItem)), None)
+    if first is None:
+        return
+    documents: dict[Path, list[SybilItem]] = {}
+    for item in items:
+        if isinstance(item, SybilItem):
+            documents.setdefault(item.path, []).append(item)
+    others = [item for item in items if not isinstance(item, SybilItem)]
+    blocks = [b for document in documents.values() for b in sorted(document, key=lambda b: b.example.line)]
+    items[:] = [*others[:first], *blocks, *others[first:]]
 
 
 # ---- README.md and docs/ --------------------------------------------------------------------
