@@ -4,11 +4,12 @@ Each module runs in its own directory ``.mutation/<module>/`` (links to the tree
 pyproject.toml whose ``[tool.mutmut]`` is the project's with the module and its tests added),
 so each keeps its own mutmut cache: a rerun tests only the functions whose code changed.
 A mutant that no test reaches counts as a survivor. Survivors listed in
-``tests/mutants/equivalent.toml`` (name = reason) are equivalent and leave the score.
+``tests/mutants/equivalent.toml`` (function, mutated line, reason: so an entry outlives mutmut's
+renumbering) are equivalent and leave the score.
 
-Each ``tests/mutants/*.patch`` names its tests on ``Tests:`` lines before the diff; the patch
-is applied in a temporary copy of the tree (the live tree is never touched), and each line's
-tests must pass on the copy and fail once it is patched.
+Each ``tests/mutants/*.patch`` names its tests on ``Tests:`` lines before the diff. In a
+temporary copy of the tree (the live tree is never touched) those tests must pass; then each
+patch is applied and reverted in turn, and at least one test of each of its lines must fail.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ MODULES: dict[str, Module] = {
     "pool": Module("server/kv/pool.py",
                    ("tests/server/kv/test_pool.py", "tests/server/kv/test_pool_properties.py")),
     "tenancy": Module("server/api/tenancy.py",
-                      ("tests/server/api/test_tenancy.py", "-k", "not served")),
+                      ("tests/server/api/test_tenancy.py", "-k", "authenticate or salt")),
     "sampling": Module("server/engine/sampling.py", ("tests/server/engine/test_sampling.py",)),
     "protocol": Module("agentshare/protocol.py", ("tests/sdk/test_protocol.py",)),
     "codec": Module("server/cluster/codec.py", ("tests/server/cluster/test_codec.py",)),
 }
-LINKED = ("agentshare", "server", "tests")
+LINKED = ("agentshare", "server", "tests", "conftest.py")
 SURVIVED = {"survived", "no tests"}
 KILLED = {"killed", "timeout", "caught by type check"}
 
@@ -62,8 +63,8 @@ class Tally:
     killed: int = 0
     timeout: int = 0
     suspicious: int = 0
-    survivors: list[str] = field(default_factory=list)  # not equivalent
-    equivalent: list[str] = field(default_factory=list)
+    survivors: list[tuple[str, str]] = field(default_factory=list)  # (mutant, what it does), not equivalent
+    equivalent: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     tried: int = 0  # mutants run this time (the rest came from the cache)
 
@@ -91,7 +92,10 @@ def prepare(name: str) -> Path:
     for entry in LINKED:
         link = work / entry
         if not link.is_symlink():
-            link.symlink_to(ROOT / entry, target_is_directory=True)
+            link.symlink_to(ROOT / entry, target_is_directory=(ROOT / entry).is_dir())
+    # mutmut copies tests/ over its old copy: start from a fresh one, so that a test file
+    # deleted or moved in the tree does not live on there.
+    shutil.rmtree(work / "mutants" / "tests", ignore_errors=True)
     config = module_config(MODULES[name])
     target = work / "pyproject.toml"
     if not target.exists() or target.read_text() != config:
@@ -110,7 +114,24 @@ def mutmut(work: Path, *args: str) -> int:
     return rc
 
 
-def tally(name: str, work: Path, equivalent: dict[str, str]) -> Tally:
+def mutant_line(work: Path, key: str) -> str:
+    """The mutated line of one mutant (the ``+`` side of ``mutmut show``), stripped."""
+    exe = Path(sys.executable).with_name("mutmut")
+    diff = subprocess.run([str(exe), "show", key], cwd=work, capture_output=True, text=True).stdout
+    added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    return " / ".join(added) or "(no diff)"
+
+
+def function_of(key: str) -> str:
+    """``server.prompt.x_chat_prompt__mutmut_9`` -> ``server.prompt.x_chat_prompt``."""
+    return key.partition("__mutmut_")[0]
+
+
+def is_equivalent(key: str, line: str, equivalent: list[dict[str, str]]) -> bool:
+    return any(e["function"] == function_of(key) and e["mutant"] == line for e in equivalent)
+
+
+def tally(name: str, work: Path, equivalent: list[dict[str, str]]) -> Tally:
     from mutmut.stats import status_by_exit_code
 
     meta = json.loads((work / "mutants" / (MODULES[name].source + ".meta")).read_text())
@@ -122,17 +143,21 @@ def tally(name: str, work: Path, equivalent: dict[str, str]) -> Tally:
             t.killed += 1
         elif status == "timeout":
             t.timeout += 1
-        elif status in SURVIVED:
-            (t.equivalent if key in equivalent else t.survivors).append(key)
-        else:  # suspicious, segfault, not checked, interrupted
-            t.suspicious += 1
-            t.survivors.append(key)
+        else:  # survived, no tests (counted as survivors), suspicious, segfault, not checked
+            if status not in SURVIVED:
+                t.suspicious += 1
+            line = mutant_line(work, key)
+            if status in SURVIVED and is_equivalent(key, line, equivalent):
+                t.equivalent.append((key, line))
+            else:
+                t.survivors.append((key, f"{status}: {line}"))
     return t
 
 
-def run_module(name: str, workers: int, equivalent: dict[str, str]) -> Tally:
+def run_module(name: str, workers: int, equivalent: list[dict[str, str]]) -> Tally:
     work = prepare(name)
     print(f"== {name}: {MODULES[name].source} against {' '.join(MODULES[name].tests)}", flush=True)
+    _retest_survivors(work, name)
     before = _checked(work, name)
     start = time.monotonic()
     rc = mutmut(work, "run", "--max-children", str(workers))
@@ -142,9 +167,27 @@ def run_module(name: str, workers: int, equivalent: dict[str, str]) -> Tally:
     t = tally(name, work, equivalent)
     t.seconds = seconds
     t.tried = t.mutants - before
-    for key in t.survivors:
-        print(f"   survivor: {key}  (mutmut show {key}, in {work})")
+    for key, what in t.survivors:
+        print(f"   survivor {key}  {what}")
+    if t.survivors:
+        print(f"   (see one with: cd {work.relative_to(ROOT)} && mutmut show NAME)")
     return t
+
+
+def _retest_survivors(work: Path, name: str) -> None:
+    """Forget the survivors' results: mutmut keeps every result until its function changes,
+    but a survivor may be killed by a test written since."""
+    from mutmut.stats import status_by_exit_code
+
+    path = work / "mutants" / (MODULES[name].source + ".meta")
+    if not path.exists():
+        return
+    meta = json.loads(path.read_text())
+    codes = meta["exit_code_by_key"]
+    for key, code in codes.items():
+        if code is not None and status_by_exit_code[code] not in KILLED:
+            codes[key] = None
+    path.write_text(json.dumps(meta, indent=4))
 
 
 def _checked(work: Path, name: str) -> int:
@@ -155,16 +198,17 @@ def _checked(work: Path, name: str) -> int:
     return sum(code is not None for code in json.loads(path.read_text())["exit_code_by_key"].values())
 
 
-def print_table(tallies: list[Tally], equivalent: dict[str, str]) -> None:
-    print("\n| module | mutants | killed | timeout | survivors | equivalent | score | tried | minutes | mutants/min |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+def print_table(tallies: list[Tally], equivalent: list[dict[str, str]]) -> None:
+    print("\n| module | mutants | killed | timeout | suspicious | survivors | equivalent | score | tried | minutes | mutants/min |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for t in tallies:
         rate = t.tried / (t.seconds / 60) if t.seconds and t.tried else 0.0
-        print(f"| {t.module} | {t.mutants} | {t.killed} | {t.timeout} | {len(t.survivors)} "
+        print(f"| {t.module} | {t.mutants} | {t.killed} | {t.timeout} | {t.suspicious} | {len(t.survivors)} "
               f"| {len(t.equivalent)} | {t.score:.1%} | {t.tried} | {t.seconds / 60:.1f} | {rate:.1f} |")
+    reasons = {(e["function"], e["mutant"]): e["reason"] for e in equivalent}
     for t in tallies:
-        for key in t.equivalent:
-            print(f"   equivalent {key}: {equivalent[key]}")
+        for key, line in t.equivalent:
+            print(f"   equivalent {key}: {line}  -- {reasons[function_of(key), line]}")
 
 
 # ---- hand-made mutants ---------------------------------------------------------------------
@@ -180,38 +224,61 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
-def pytest_in(tree: Path, tests: list[str]) -> int:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+def pytest_in(tree: Path, tests: list[str]) -> tuple[int, set[str], str]:
+    """Exit status, ids of the failed or erroring tests, and the tail of the output."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly",
            "-o", "addopts=--strict-markers", *tests]
-    return subprocess.call(cmd, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+    failed = {line.split()[1] for line in run.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))}
+    return run.returncode, failed, (run.stdout + run.stderr)[-3000:]
 
 
-def check_patch(patch: Path) -> list[str]:
-    """Problems of one hand-made mutant (empty: each of its test lines kills it)."""
-    groups = [line.split(":", 1)[1].split() for line in patch.read_text().splitlines()
-              if line.startswith("Tests:")]
-    if not groups:
-        return [f"{patch.name}: no 'Tests:' line names the tests that must kill it"]
-    problems = []
-    with tempfile.TemporaryDirectory(prefix="agentshare-mutant-") as tmp:
+def _in_group(test_id: str, group: list[str]) -> bool:
+    return any(test_id == t or test_id.startswith((t + "::", t + "[")) for t in group)
+
+
+def check_patches(patches: list[Path]) -> list[str]:
+    """Problems of the hand-made mutants (empty: each test line of each one kills it).
+
+    One temporary copy of the tree: its tests must pass as they are, then each patch is
+    applied, its tests run once, and the patch is reverted (checked) before the next.
+    """
+    specs = []
+    for patch in patches:
+        groups = [line.split(":", 1)[1].split() for line in patch.read_text().splitlines()
+                  if line.startswith("Tests:")]
+        if not groups:
+            return [f"{patch.name}: no 'Tests:' line names the tests that must kill it"]
+        specs.append((patch, groups))
+    everything = sorted({t for _, groups in specs for g in groups for t in g})
+    with tempfile.TemporaryDirectory(prefix="agentshare-mutants-") as tmp:
         tree = Path(tmp)
         copy_tree(tree)
         where = subprocess.run([sys.executable, "-c", "import server; print(server.__file__)"], cwd=tree,
                                check=True, capture_output=True, text=True).stdout.strip()
         if not Path(where).is_relative_to(tree):
-            return [f"{patch.name}: the copy imports {where}, not its own tree"]
-        for tests in groups:
-            if pytest_in(tree, tests) != 0:
-                problems.append(f"{patch.name}: {' '.join(tests)} fail(s) without the patch")
-        applied = subprocess.run(["git", "apply", str(patch)], cwd=tree, capture_output=True, text=True)
-        if applied.returncode != 0:
-            return [f"{patch.name}: does not apply to the current code: {applied.stderr.strip()}"]
-        for tests in groups:
-            rc = pytest_in(tree, tests)
-            verdict = "killed" if rc == 1 else "SURVIVED" if rc == 0 else f"error (pytest exit {rc})"
-            print(f"   {patch.name}: {' '.join(tests)}: {verdict}", flush=True)
-            if rc != 1:
-                problems.append(f"{patch.name}: {' '.join(tests)}: {verdict}")
+            return [f"the copy of the tree imports {where}, not its own files"]
+        rc, failed, tail = pytest_in(tree, everything)
+        if rc != 0:
+            print(tail)
+            return [f"the tests of the hand-made mutants fail without them (exit {rc}): {sorted(failed)}"]
+        problems = []
+        for patch, groups in specs:
+            applied = subprocess.run(["git", "apply", str(patch)], cwd=tree, capture_output=True, text=True)
+            if applied.returncode != 0:
+                problems.append(f"{patch.name}: does not apply to the current code: {applied.stderr.strip()}")
+                continue
+            rc, failed, tail = pytest_in(tree, sorted({t for g in groups for t in g}))
+            subprocess.run(["git", "apply", "-R", str(patch)], cwd=tree, check=True, capture_output=True)
+            for group in groups:
+                hit = sorted(t for t in failed if _in_group(t, group))
+                verdict = f"killed by {len(hit)} test(s)" if hit else "SURVIVED"
+                print(f"   {patch.name}: {' '.join(group)}: {verdict}", flush=True)
+                if not hit:
+                    problems.append(f"{patch.name}: survives {' '.join(group)}")
+            if rc not in (0, 1):
+                print(tail)
+                problems.append(f"{patch.name}: pytest exit {rc} (not a test failure)")
     return problems
 
 
@@ -231,7 +298,7 @@ def main() -> int:
     # TERM (e.g. a CI timeout) unwinds like Ctrl-C, so temporary trees are removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    equivalent = tomllib.loads((MUTANTS / "equivalent.toml").read_text())
+    equivalent = tomllib.loads((MUTANTS / "equivalent.toml").read_text()).get("equivalent", [])
     failures: list[str] = []
     tallies: list[Tally] = []
     if not args.patches_only:
@@ -244,15 +311,15 @@ def main() -> int:
                                 f"(target {TARGET:.0%}); survivors above")
         print_table(tallies, equivalent)
         print(f"total {(time.monotonic() - start) / 60:.1f} min")
-        known = {key for t in tallies for key in t.equivalent}
-        for key in equivalent:
-            if any(key.startswith(MODULES[t.module].source[:-3].replace("/", ".") + ".") for t in tallies) \
-                    and key not in known:
-                print(f"   note: equivalent.toml lists {key}, which no longer survives or exists")
+        used = {(function_of(key), line) for t in tallies for key, line in t.equivalent}
+        for e in equivalent:
+            module = next((t.module for t in tallies if e["function"].startswith(
+                MODULES[t.module].source[:-3].replace("/", ".") + ".")), None)
+            if module and (e["function"], e["mutant"]) not in used:
+                print(f"   note: equivalent.toml's {e['function']}: {e['mutant']!r} no longer survives")
     if not args.no_patches:
         print("== hand-made mutants (tests/mutants/*.patch)", flush=True)
-        for patch in sorted(MUTANTS.glob("*.patch")):
-            failures += check_patch(patch)
+        failures += check_patches(sorted(MUTANTS.glob("*.patch")))
     for line in failures:
         print(f"FAILED {line}")
     return 1 if failures else 0

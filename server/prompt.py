@@ -105,8 +105,11 @@ def chat_prompt(
     before_turn = render([*context, *turn[:-1]], False)
     without_header = render([*context, *turn], False)
     full = render([*context, *turn], add_generation_prompt)
-    for part, name in ((ctx, "shared context"), (before_turn, "agent's earlier messages"),
-                       (without_header, "agent's instruction")):
+    for part, name in (
+        (ctx, "shared context"),  # pragma: no mutate
+        (before_turn, "agent's earlier messages"),  # pragma: no mutate
+        (without_header, "agent's instruction"),  # pragma: no mutate
+    ):
         if full[: len(part)] != part:
             raise InvalidRequest(
                 f"the chat template renders the {name} differently once later messages follow, "

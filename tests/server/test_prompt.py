@@ -84,3 +84,43 @@ class RewritingTemplate:
 def test_a_template_that_is_not_prefix_stable_is_refused():
     with pytest.raises(InvalidRequest, match="prefix-stable"):
         chat_prompt(RewritingTemplate(), CONTEXT, TURN)
+
+
+class ToyTokenizer:
+    """A toy template ``<role>content|``; like a Llama tokenizer, ``encode`` adds a BOS (id 0)
+    unless told not to."""
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens=True):
+        return ([0] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+def chars(ids):
+    return "".join(map(chr, ids))
+
+
+def test_no_special_tokens_are_added_inside_the_layout():
+    p = chat_prompt(ToyTokenizer(), CONTEXT, TURN)
+    assert 0 not in p.token_ids  # the template writes every special token itself
+    assert chars(p.token_ids) == (f"<user>{CONTEXT[0]['content']}|<user>{TURN[0]['content']}|<assistant>")
+    assert text_prompt(ToyTokenizer(), "ab", "cd").token_ids == tuple(map(ord, "abcd"))
+
+
+def test_text_prompt_without_a_turn_is_all_context_and_without_a_context_all_turn():
+    p = text_prompt(ToyTokenizer(), "Shared text.")
+    assert chars(p.token_ids) == "Shared text."
+    assert p.context_len == p.turn_start == p.header_start == len(p.token_ids)
+    q = text_prompt(ToyTokenizer(), "", "Only a question")
+    assert chars(q.token_ids) == "Only a question"
+    assert (q.context_len, q.turn_start, q.header_start) == (0, 0, len(q.token_ids))
+    assert q.invocation_point(Placement.TURN) == 0
+
+
+def test_chat_prompt_without_a_shared_context_starts_the_turn_at_zero():
+    p = chat_prompt(ToyTokenizer(), [], TURN)
+    assert (p.context_len, p.turn_start) == (0, 0)
+    assert chars(p.token_ids[p.header_start:]) == "<assistant>"
+    assert p.invocation_point(Placement.TURN) == 0

@@ -4,12 +4,56 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import hashlib
+
 import httpx
 import openai
 import pytest
 
+from server.api.errors import ApiError
+from server.api.tenancy import Tenancy, Tenant
+
 MESSAGES = [{"role": "user", "content": "Tenant document. " + "secret ledger line. " * 20},
             {"role": "user", "content": "Total?"}]
+
+
+# ---- the rules, without a server (scripts/mutation selects them with -k "authenticate or salt")
+
+
+def test_authenticate_without_keys_is_one_anonymous_tenant() -> None:
+    open_server = Tenancy(())
+    assert not open_server.required
+    for header in (None, "", "Bearer anything", "Basic x"):
+        assert open_server.authenticate(header) == Tenant("", "default") == Tenant.anonymous()
+
+
+@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer   ", "Basic alpha", "alpha", "Bearer alphax",
+                                    "Bearer alph", "Bearer gamma"])
+def test_authenticate_refuses_a_missing_malformed_or_unknown_key(header: str | None) -> None:
+    with pytest.raises(ApiError) as info:
+        Tenancy(("alpha", "beta")).authenticate(header)
+    err = info.value
+    assert (err.status, err.type, err.code) == (401, "authentication_error", "invalid_api_key")
+    assert err.headers == {"WWW-Authenticate": "Bearer"}
+
+
+def test_authenticate_maps_each_key_to_its_own_tenant() -> None:
+    t = Tenancy(("alpha", "beta"))
+    assert t.required
+    alpha = t.authenticate("Bearer alpha")
+    assert t.authenticate("bearer alpha") == t.authenticate("BEARER  alpha ") == alpha  # scheme any case
+    beta = t.authenticate("Bearer beta")
+    assert alpha != beta and alpha.salt != beta.salt and alpha.label != beta.label
+    assert Tenancy(("beta", "alpha")).authenticate("Bearer alpha") == alpha  # order of keys irrelevant
+
+
+def test_salt_is_a_stable_digest_that_hides_the_key() -> None:
+    # Every router and worker must derive the same salt from a key, in every process and
+    # release, or tenants' caches split: the derivation is part of the contract.
+    tenant = Tenancy(("alpha-key",)).authenticate("Bearer alpha-key")
+    digest = hashlib.sha256(b"agentshare-tenant\x00alpha-key").hexdigest()
+    assert tenant == Tenant(salt=digest[:32], label=digest[:8])
+    assert "alpha" not in tenant.salt and tenant.salt != ""
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,6 @@
+import hashlib
 import os
+import struct
 import subprocess
 import sys
 
@@ -96,3 +98,29 @@ def test_field_boundaries_cannot_alias():
 def test_bad_namespaces_are_refused(make):
     with pytest.raises(ValueError):
         make()
+
+
+def test_the_key_encoding_is_the_documented_one():
+    # Keys outlive a process (the disk tier, other members of a cluster), so their bytes are
+    # the contract: re-derived here from the module docstring, independently of the code.
+    def ns_digest(*fields: bytes) -> bytes:
+        parts = (b"agentshare/namespace/v1", *fields)
+        return hashlib.sha256(b"".join(struct.pack("<I", len(f)) + f for f in parts)).digest()
+
+    fam = Namespace.family(FAM, salt="t")
+    assert fam.digest == ns_digest(b"family", FAM.encode(), b"t", b"", b"")
+    mod = Namespace.module(MOD, invocation_point=40, salt="t")
+    assert mod.digest == ns_digest(b"module", MOD.encode(), b"t", b"40", b"")
+    assert mod.lossy("int8").digest == ns_digest(b"module", MOD.encode(), b"t", b"40", b"int8")
+    block = TOKENS[:16]
+    want = hashlib.sha256(b"agentshare/block/v1" + ROOT_KEY + fam.digest + struct.pack("<16I", *block)).digest()
+    assert chain_key(ROOT_KEY, fam, block) == want
+    assert Layout(fam).block_keys(block, block_size=16) == [want]
+
+
+def test_lossy_keeps_every_field_of_its_namespace_and_adds_the_codec():
+    mod = Namespace.module(MOD, invocation_point=40, salt="t")
+    lossy = mod.lossy("int8")
+    assert (lossy.kind, lossy.owner, lossy.salt, lossy.invocation_point, lossy.codec) == (
+        NamespaceKind.MODULE, MOD, "t", 40, "int8")
+    assert mod.is_exact and not lossy.is_exact
