@@ -421,8 +421,13 @@ class Explanation(_Response):
 
 
 class Health(_Response):
-    status: Literal["ok"] = "ok"
+    """``/health``. ``status`` is ``degraded`` (still HTTP 200: the server answers what it can)
+    when some agent cannot be served now: the engine is stuck in a step or stopped, or, behind a
+    router, no decode worker serving that agent is up; ``reasons`` says which."""
+
+    status: Literal["ok", "degraded"] = "ok"
     family: str
     agents: int
     waiting: int
     running: int
+    reasons: list[str] = Field(default_factory=list)

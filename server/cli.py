@@ -66,6 +66,8 @@ def serve(
     kv_cache: str = typer.Option("1GiB", help="KV pool size, e.g. 512MiB, 2GiB"),
     max_running: int = typer.Option(64, help="requests decoding together"),
     queue_limit: int = typer.Option(1024, help="requests waiting; beyond it: 429"),
+    step_timeout: float = typer.Option(60.0, help="seconds an engine step may run before its requests fail "
+                                       "and /health says degraded"),
     api_key: list[str] | None = typer.Option(
         None, envvar="AGENTSHARE_API_KEYS", help="accepted API key, one tenant each (repeat; or the env var, "
         "space-separated); none: no auth"),

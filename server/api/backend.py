@@ -52,6 +52,20 @@ class CacheReport:
         return cls(match.block_size, match.num_blocks, len(match.block_ids))
 
 
+@dataclass(frozen=True, slots=True)
+class HealthReport:
+    """What ``/health`` says, read without waiting on any engine: queue figures, and why some
+    agent cannot be served now (empty: every one can).
+
+    >>> HealthReport(waiting=0, running=2).degraded
+    ()
+    """
+
+    waiting: int
+    running: int
+    degraded: tuple[str, ...] = ()
+
+
 class EventSource(Protocol):
     """The events of one submitted request. ``cancel()`` is synchronous (safe in cleanup code
     running inside a cancelled scope) and frees the request's KV wherever it runs."""
@@ -82,6 +96,10 @@ class Backend(Protocol):
 
     async def snapshot(self) -> EngineSnapshot: ...
 
+    def health(self) -> HealthReport:
+        """Never blocks: a stuck engine must still be reported."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -108,6 +126,10 @@ class LocalBackend:
 
     async def snapshot(self) -> EngineSnapshot:
         return await self.engine.run(EngineSnapshot.of)
+
+    def health(self) -> HealthReport:
+        h = self.engine.health()
+        return HealthReport(h.waiting, h.running, () if h.degraded is None else (h.degraded,))
 
     def close(self) -> None:
         self.engine.close()

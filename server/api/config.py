@@ -29,6 +29,7 @@ class ServerConfig:
     max_step_tokens: int = 512
     max_running: int = 64
     max_waiting: int = 1024  # the queue limit: beyond it, 429
+    step_timeout: float = 60.0  # an engine step running longer fails its requests; /health: degraded
     api_keys: tuple[str, ...] = ()  # none: one tenant, no auth
     log_level: str = "info"
     log_prompts: bool = False  # never log prompt text unless asked
@@ -50,5 +51,5 @@ class ServerConfig:
         return EngineConfig(
             block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
             max_step_tokens=self.max_step_tokens, max_running=self.max_running,
-            max_waiting=self.max_waiting,
+            max_waiting=self.max_waiting, step_timeout=self.step_timeout,
         )

@@ -1,4 +1,5 @@
-"""Operations: ``/health`` (liveness plus queue depth) and Prometheus ``/metrics``.
+"""Operations: ``/health`` (liveness, queue depth, and whether every agent can be served) and
+Prometheus ``/metrics``.
 
 Both are open (no API key): they carry figures, never prompts or keys.
 """
@@ -17,9 +18,12 @@ router = APIRouter()
 
 @router.get("/health", response_model=Health)
 async def health(request: Request) -> Health:
+    """Answers without waiting on the engine: ``degraded``, with the reasons, when an engine is
+    stuck or stopped or (behind a router) some agent has no decode worker up."""
     state = server_state(request)
-    snap = await state.backend.snapshot()
-    return Health(family=state.facts.family, agents=len(state.facts.agents), waiting=snap.waiting, running=snap.running)
+    h = state.backend.health()
+    return Health(status="degraded" if h.degraded else "ok", family=state.facts.family,
+                  agents=len(state.facts.agents), waiting=h.waiting, running=h.running, reasons=list(h.degraded))
 
 
 @router.get("/metrics")
