@@ -29,6 +29,7 @@ import hmac
 import os
 import secrets
 import stat
+from collections.abc import MutableMapping
 from pathlib import Path
 
 SECRET_ENV = "AGENTSHARE_CLUSTER_SECRET"
@@ -59,12 +60,14 @@ class ClusterSecret:
         return cls(read_private(path, "cluster secret"))
 
     @classmethod
-    def load(cls, path: Path | None = None, *, environ: dict[str, str] | None = None) -> ClusterSecret | None:
+    def load(
+        cls, path: Path | None = None, *, environ: MutableMapping[str, str] | None = None
+    ) -> ClusterSecret | None:
         """From ``path`` if given, else from ``AGENTSHARE_CLUSTER_SECRET`` (taken out of the
         environment, so that no child process inherits it); ``None`` when neither is set."""
         if path is not None:
             return cls.from_file(path)
-        env = os.environ if environ is None else environ
+        env: MutableMapping[str, str] = os.environ if environ is None else environ
         value = env.pop(SECRET_ENV, None)
         return None if value is None else cls(value)
 
