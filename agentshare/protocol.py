@@ -22,17 +22,53 @@ field, so the ``openai`` package's own types validate them.
 (8, 'hi')
 >>> ErrorResponse.of("bad value", param="n").model_dump()["error"]["type"]
 'invalid_request_error'
+
+Text must be valid Unicode (a lone surrogate such as ``"\\ud800"`` cannot be tokenized), and a
+seed must fit the 64-bit generator for every choice (``seed + n - 1 < 2**64``):
+
+>>> from pydantic import ValidationError
+>>> try:
+...     CompletionRequest.model_validate({"model": "base", "prompt": "x", "seed": 2**64 - 1, "n": 2})
+... except ValidationError as exc:
+...     print(exc.errors()[0]["msg"].split(":")[0])
+Value error, seed
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # per stop sequence
+MAX_TOP_K = 2**31 - 1
+SEED_LIMIT = 2**64  # seeds are 64-bit: 0 <= seed + i < 2**64 for every choice i
+
+
+def valid_unicode(value: str) -> str:
+    """``value`` unchanged if it is valid Unicode text; a lone surrogate (which JSON's ``\\ud800``
+    escapes can carry, but no tokenizer can encode) raises an ``invalid_unicode`` error.
+
+    >>> valid_unicode("héllo")
+    'héllo'
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "invalid Unicode: a lone surrogate (U+{code}) at character {position}; send valid UTF-8 text",  # pragma: no mutate
+            {"code": f"{ord(value[exc.start]):04X}", "position": exc.start},
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
+"""A string field of a request: valid Unicode (no lone surrogates)."""
 
 # ---- common --------------------------------------------------------------------------------
 
@@ -67,15 +103,15 @@ class ErrorResponse(_Response):
 
 class TextPart(_Request):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     """One chat message. ``content`` may be a string or a list of text parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
@@ -105,9 +141,9 @@ class _Sampling(_Request):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's extension; -1 or 0: off
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # vLLM's extension; -1 or 0: off
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: Text | list[Text] | None = None
     ignore_eos: bool = False  # vLLM's extension
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -117,14 +153,17 @@ class _Sampling(_Request):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    @model_validator(mode="after")
-    def _check_stop(self) -> _Sampling:
-        stops = self.stop_list()
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         if len(stops) > MAX_STOP:
-            raise ValueError(f"stop: at most {MAX_STOP} stop sequences, got {len(stops)}")
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(stops)}")
         if any(not s for s in stops):
-            raise ValueError("stop: stop sequences must be non-empty strings")
-        return self
+            raise ValueError("stop sequences must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence holds at most {MAX_STOP_CHARS} characters")
+        return stop
 
     @property
     def include_usage(self) -> bool:
@@ -132,12 +171,20 @@ class _Sampling(_Request):
 
 
 class _OpenAISampling(_Sampling):
-    model: str
+    model: Text
     n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
+
+    @model_validator(mode="after")
+    def _seed_fits_every_choice(self) -> _OpenAISampling:
+        n = self.n or 1
+        if self.seed is not None and self.seed + n - 1 >= SEED_LIMIT:
+            raise ValueError(f"seed: choice i samples with seed + i, so seed + n - 1 must be below 2**64; "
+                             f"got seed {self.seed} with n {n}: lower the seed")
+        return self
 
 
 # ---- OpenAI-compatible: requests ---------------------------------------------------------------
@@ -157,10 +204,10 @@ class ChatCompletionRequest(_OpenAISampling):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = Field(None, ge=1)
 
     def token_limit(self) -> int | None:
@@ -293,12 +340,12 @@ class _MessagesOrText(_Request):
     """Exactly one of ``messages`` (chat) or ``text`` (plain text)."""
 
     messages: list[ChatMessage] | None = None
-    text: str | None = None
+    text: Text | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> _MessagesOrText:
         if (self.messages is None) == (self.text is None):
-            raise ValueError("send exactly one of 'messages' (a chat) or 'text' (plain text)")
+            raise ValueError("messages: send exactly one of 'messages' (a chat) or 'text' (plain text)")
         if self.messages is not None and not self.messages:
             raise ValueError("messages: send at least one message")
         return self
@@ -341,7 +388,7 @@ class ContextReleased(_Response):
 class GenerateRequest(_Sampling, _MessagesOrText):
     """Generate from a context for one agent: ``messages``/``text`` is the agent's own turn."""
 
-    agent: str
+    agent: Text
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
@@ -394,16 +441,16 @@ class ExplainRequest(_Request):
     """What the cache would serve for this request now. ``messages`` as in a chat request
     (context = all but the last); ``prompt`` as in a completion; or a context plus a turn."""
 
-    agent: str
+    agent: Text
     messages: list[ChatMessage] | None = None
-    prompt: str | None = None
-    context_id: str | None = None
-    text: str | None = None
+    prompt: Text | None = None
+    context_id: Text | None = None
+    text: Text | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> ExplainRequest:
         if self.context_id is None and (self.messages is None) == (self.prompt is None):
-            raise ValueError("send 'messages' or 'prompt' (or a 'context_id' with its turn)")
+            raise ValueError("messages: send 'messages' or 'prompt' (or a 'context_id' with its turn)")
         return self
 
 

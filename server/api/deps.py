@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from server.api.errors import not_found
+from server.api.errors import echo, not_found
 from server.api.state import AgentCard, ServerState
 from server.api.tenancy import Tenant
 
@@ -27,7 +27,7 @@ def agent(state: ServerState, name: str, *, param: str = "model") -> AgentCard:
     card = state.facts.agents.get(name)
     if card is None:
         known = ", ".join(sorted(state.facts.agents))
-        raise not_found(f"unknown agent {name!r}; known: {known}. List agents with GET /v1/models",
+        raise not_found(f"unknown agent {echo(name)}; known: {known}. List agents with GET /v1/models",
                         param=param, code="model_not_found")
     return card
 

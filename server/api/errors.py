@@ -3,13 +3,14 @@
 ::
 
     status  type                     when
-    400     invalid_request_error    the body cannot be read: not JSON, wrong JSON types, a field missing
+    400     invalid_request_error    the body cannot be read: not JSON, wrong JSON types, a field missing,
+                                     text that is not valid Unicode (a lone surrogate)
     401     authentication_error     keys are configured and the request has no valid one
     404     invalid_request_error    unknown agent (code model_not_found), context or route
     413     invalid_request_error    the prompt does not fit the context or the KV pool
     422     invalid_request_error    readable, but a value is not acceptable (negative limits, ...)
-    429     rate_limit_error         the queue limit is reached or pinned contexts fill the pool
-                                     (with a Retry-After header)
+    429     rate_limit_error         the queue limit is reached, pinned contexts fill the pool, or a
+                                     tenant's pinned-context quota is used up (with a Retry-After header)
     503     service_unavailable      the engine is shutting down, or no worker can serve the request
 
 >>> err = from_engine(Overloaded("busy", retry_after=2.5))
@@ -17,12 +18,19 @@
 (429, '3', 'overloaded')
 >>> classify_validation([{"type": "greater_than_equal", "loc": ("body", "n"), "msg": "too small"}]).status
 422
+
+``param`` names the request field at fault: the first element of the error's location, or, for
+a check across fields, the field its message starts with:
+
+>>> classify_validation([{"type": "value_error", "loc": ("body",), "msg": "Value error, seed: too big"}]).param
+'seed'
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,7 +53,11 @@ from server.engine.errors import (
 log = logging.getLogger("agentshare.api")
 
 # pydantic error types that mean "the body could not be read" (400) rather than "a value is bad" (422)
-_READ_ERRORS = {"json_invalid", "missing", "model_attributes_type", "union_tag_invalid", "model_type"}
+_READ_ERRORS = {"json_invalid", "missing", "model_attributes_type", "union_tag_invalid", "model_type",
+                "invalid_unicode", "string_unicode"}
+_UNICODE_ERRORS = {"invalid_unicode", "string_unicode"}
+_FIELD_PREFIX = re.compile(r"^([a-z_][a-z0-9_]*): ")
+_MAX_ECHO = 200  # characters of a client's value echoed in a message
 
 
 class ApiError(Exception):
@@ -78,10 +90,15 @@ def overloaded(message: str, retry_after: float) -> ApiError:
                     headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
 
 
-def from_engine(exc: EngineError) -> ApiError:
-    """The HTTP form of an engine error."""
+def echo(value: str) -> str:
+    """A client's value, quoted for an error message, cut to a readable length."""
+    return repr(value if len(value) <= _MAX_ECHO else value[:_MAX_ECHO] + "...")
+
+
+def from_engine(exc: EngineError, *, prompt_param: str = "messages") -> ApiError:
+    """The HTTP form of an engine error (``prompt_param``: the field that carried the prompt)."""
     if isinstance(exc, PromptTooLong):
-        return ApiError(413, str(exc), param="messages", code="context_length_exceeded")
+        return ApiError(413, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequest):
         return unprocessable(str(exc))
     if isinstance(exc, UnknownModule):
@@ -98,18 +115,25 @@ def from_engine(exc: EngineError) -> ApiError:
 
 def classify_validation(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """400 when the body cannot be read as the request type, 422 when a value is out of range."""
+    if any(e.get("type") in _UNICODE_ERRORS for e in errors):
+        # the other branches of a union (``str | list[str]``) only add noise
+        errors = [e for e in errors if e.get("type") in _UNICODE_ERRORS]
     unreadable = any(_is_read_error(str(e.get("type", ""))) for e in errors)
-    parts, param = [], None
+    parts: list[str] = []
+    param = None
     for e in errors[:3]:
-        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        loc = _field_path(e.get("loc", ()))
         if e.get("type") == "json_invalid":
             detail = (e.get("ctx") or {}).get("error", "")
             parts.append(f"the body is not valid JSON ({detail})" if detail else "the body is not valid JSON")
             continue
         field = ".".join(loc)
-        param = param or (loc[0] if loc else None)
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{field}: {msg}" if field and not msg.startswith(f"{field}:") else msg)
+        named = _FIELD_PREFIX.match(msg)
+        param = param or (loc[0] if loc else named[1] if named else None)
+        part = f"{field}: {msg}" if field and not msg.startswith(f"{field}:") else msg
+        if part not in parts:
+            parts.append(part)
     if len(errors) > 3:
         parts.append(f"(and {len(errors) - 3} more)")
     message = "; ".join(parts) or "invalid request"
@@ -120,6 +144,16 @@ def classify_validation(errors: Sequence[Mapping[str, Any]]) -> ApiError:
 
 def _is_read_error(kind: str) -> bool:
     return kind in _READ_ERRORS or kind.endswith(("_type", "_parsing"))
+
+
+def _field_path(loc: Sequence[object]) -> list[str]:
+    """The field names and indices of a pydantic location, without ``body`` and the type tags
+    pydantic adds for the branches of a union (``str``, ``list[int]``, ``function-after[...]``)."""
+    return [str(p) for p in loc if p != "body" and not (isinstance(p, str) and _is_type_tag(p))]
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in {"str", "int", "float", "bool", "list", "dict", "none"} or part[:1].isupper()
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -15,6 +15,15 @@ observed here, per choice.
 ...                     default_max_tokens=16)
 >>> p.max_tokens, p.temperature, p.top_k
 (16, 1.0, 0)
+
+Values the schema accepts but float32 sampling cannot represent are clamped to their meaning: a
+temperature below 1e-5 is greedy (as vLLM does), a top_p below 1e-6 keeps only the most likely
+token (which it does anyway for any vocabulary under a million tokens):
+
+>>> q = sampling_params(limit=4, temperature=1e-300, top_p=1e-300, top_k=None, seed=None, stop=(),
+...                     default_max_tokens=16)
+>>> q.temperature, q.top_p
+(0.0, 1e-06)
 """
 
 from __future__ import annotations
@@ -28,14 +37,17 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from server.api.backend import Backend, EventSource
-from server.api.errors import ApiError
+from server.api.errors import ApiError, from_engine
 from server.api.metrics import Metrics
-from server.engine.errors import Overloaded
+from server.engine.errors import Overloaded, PromptTooLong
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, TokenEvent
 from server.prompt import Prompt
 
 T = TypeVar("T")
+
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+MIN_TOP_P = 1e-6  # float32 rounds smaller values to 0, which would keep no token at all
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +61,13 @@ def sampling_params(
     seed: int | None, stop: Sequence[str], default_max_tokens: int, ignore_eos: bool = False,
     logprobs: int | None = None,
 ) -> SamplingParams:
-    """Engine sampling parameters with the OpenAI defaults (temperature 1, top_p 1)."""
+    """Engine sampling parameters with the OpenAI defaults (temperature 1, top_p 1), clamped
+    to what float32 sampling represents (the request schemas have checked the ranges)."""
+    temperature = 1.0 if temperature is None else temperature
     return SamplingParams(
         max_tokens=limit if limit is not None else default_max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+        top_p=1.0 if top_p is None else max(top_p, MIN_TOP_P),
         top_k=0 if top_k is None or top_k < 0 else top_k,
         seed=seed, stop=tuple(stop), ignore_eos=ignore_eos, logprobs=logprobs,
     )
@@ -62,13 +76,14 @@ def sampling_params(
 async def stream_choices(
     backend: Backend, metrics: Metrics, request_id: str, module: str,
     prompts: Sequence[Prompt], params: SamplingParams, *, n: int = 1, salt: str = "",
+    prompt_param: str = "messages",
 ) -> AsyncIterator[ChoiceEvent]:
     """Events of ``n`` choices per prompt (choice index = prompt index * n + i), merged.
 
     Every choice is submitted before anything is yielded, so a refused request (bad input,
-    429) raises before any byte of the response. A seeded request gives choice ``i`` the seed
-    ``seed + i`` so choices differ yet repeat. Leaving the iteration early cancels every choice
-    and frees its KV.
+    429) raises before any byte of the response; a prompt too long for the model names
+    ``prompt_param``. A seeded request gives choice ``i`` the seed ``seed + i`` so choices
+    differ yet repeat. Leaving the iteration early cancels every choice and frees its KV.
     """
     choices = [(i * n + j, prompt, replace(params, seed=params.seed + j) if params.seed is not None else params)
                for i, prompt in enumerate(prompts) for j in range(n)]
@@ -82,6 +97,8 @@ async def stream_choices(
             metrics.rejected.labels(exc.reason).inc()
         for _, stream in streams:
             stream.cancel()
+        if isinstance(exc, PromptTooLong):
+            raise from_engine(exc, prompt_param=prompt_param) from exc
         raise
     queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
 

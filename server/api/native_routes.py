@@ -107,7 +107,8 @@ async def generate(context_id: str, body: GenerateRequest, request: Request,
     rid = new_id("gen")
     note(request, request_id=rid, agent=card.name, context_id=rec.id, stream=body.stream,
          prompt_tokens=len(prompt.token_ids))
-    events = stream_choices(state.backend, state.metrics, rid, card.name, [prompt], params, salt=who.salt)
+    events = stream_choices(state.backend, state.metrics, rid, card.name, [prompt], params, salt=who.salt,
+                            prompt_param="messages" if body.kind == "chat" else "text")
     head = {"id": rid, "agent": card.name, "context_id": rec.id}
     if body.stream:
         primed = await until_disconnect(request, prime(events))

@@ -126,7 +126,7 @@ async def completions(body: CompletionRequest, request: Request, who: Caller) ->
     if body.best_of is not None and body.best_of != n:
         raise unprocessable("best_of: only best_of == n is supported", param="best_of")
     card = agent(state, body.model)
-    prompts = completion_prompts(state.facts.tokenizer, body.prompt)
+    prompts = completion_prompts(state.facts.tokenizer, body.prompt, vocab_size=len(state.facts.tokenizer))
     params = sampling_params(
         limit=body.token_limit(), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=body.seed, stop=body.stop_list(), default_max_tokens=state.config.default_max_tokens,
@@ -135,7 +135,8 @@ async def completions(body: CompletionRequest, request: Request, who: Caller) ->
     rid = new_id("cmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream,
          prompt_tokens=sum(len(p.token_ids) for p in prompts))
-    events = stream_choices(state.backend, state.metrics, rid, card.name, prompts, params, n=n, salt=who.salt)
+    events = stream_choices(state.backend, state.metrics, rid, card.name, prompts, params, n=n, salt=who.salt,
+                            prompt_param="prompt")
     head = {"id": rid, "created": int(time.time()), "model": card.name, "system_fingerprint": state.fingerprint}
     tt = TokenText(state.facts.tokenizer) if body.logprobs is not None else None
     acc = Choices(n_per_prompt=n, total=n * len(prompts))

@@ -11,6 +11,10 @@ completion's whole prompt is context (the agent's module computes from its last 
 ((97, 98, 99), 3)
 >>> [q.token_ids for q in completion_prompts(Chars(), [[1, 2], [3]])]
 [(1, 2), (3,)]
+>>> completion_prompts(Chars(), [5, 70000], vocab_size=50000)
+Traceback (most recent call last):
+...
+server.api.errors.ApiError: prompt: token id 70000 at position 1 is outside the vocabulary (0 to 49999)
 """
 
 from __future__ import annotations
@@ -29,20 +33,22 @@ def chat_request_prompt(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage
     return chat_prompt(tokenizer, rendered[:-1], rendered[-1:])
 
 
-def completion_prompts(tokenizer: ChatTokenizer, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
-    """One prompt per entry of a (possibly batched) completion ``prompt``: text or token ids."""
+def completion_prompts(tokenizer: ChatTokenizer, prompt: str | list[str] | list[int] | list[list[int]],
+                       *, vocab_size: int | None = None) -> list[Prompt]:
+    """One prompt per entry of a (possibly batched) completion ``prompt``: text or token ids
+    (each below ``vocab_size``, when given)."""
     if isinstance(prompt, str):
         return [text_prompt(tokenizer, prompt)]
     if not prompt:
         raise unprocessable("prompt: send a string, a list of strings or token ids", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [_ids_prompt(prompt)]  # type: ignore[arg-type]
+        return [_ids_prompt(prompt, vocab_size)]  # type: ignore[arg-type]
     out: list[Prompt] = []
     for p in prompt:
         if isinstance(p, str):
             out.append(text_prompt(tokenizer, p))
         elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-            out.append(_ids_prompt(p))
+            out.append(_ids_prompt(p, vocab_size))
         else:
             raise ApiError(400, "prompt: mix of strings and token ids", param="prompt")
     return out
@@ -64,7 +70,12 @@ def joined_prompt(context: Sequence[int], turn: Sequence[int]) -> Prompt:
     return Prompt(ids, len(context), len(context), len(ids))
 
 
-def _ids_prompt(ids: Sequence[int]) -> Prompt:
+def _ids_prompt(ids: Sequence[int], vocab_size: int | None) -> Prompt:
     if not ids:
         raise unprocessable("prompt: empty list of token ids", param="prompt")
+    if vocab_size is not None:
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab_size:
+                raise unprocessable(f"prompt: token id {t} at position {i} is outside the vocabulary "
+                                    f"(0 to {vocab_size - 1})", param="prompt")
     return joined_prompt(tuple(ids), ())

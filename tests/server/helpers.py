@@ -14,11 +14,12 @@ from server.engine.core import EngineCore
 
 
 @contextlib.contextmanager
-def running_server(core: EngineCore, config: ServerConfig) -> Iterator[str]:
-    """Serve a fresh engine (own KV pool) on 127.0.0.1:<free port>; yields the base URL."""
+def running_server(core: EngineCore | AsyncEngine, config: ServerConfig) -> Iterator[str]:
+    """Serve a fresh engine (own KV pool) on 127.0.0.1:<free port>; yields the base URL. Given an
+    :class:`AsyncEngine` (a test that stops it mid-request), serve that one instead."""
     import uvicorn
 
-    engine = AsyncEngine(core.with_config(config.engine_config()))
+    engine = core if isinstance(core, AsyncEngine) else AsyncEngine(core.with_config(config.engine_config()))
     app = create_app(engine, config, owns_engine=True)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False,
                                            lifespan="on", timeout_graceful_shutdown=2))
