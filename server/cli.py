@@ -73,6 +73,10 @@ def serve(
         "space-separated); none: no auth"),
     log_level: str = typer.Option("info"),
     context_ttl: float = typer.Option(600.0, help="default TTL of a pinned shared context, seconds"),
+    max_pinned_contexts: int = typer.Option(64, help="per tenant: shared contexts pinned at once; beyond: 429"),
+    max_pinned_share: float | None = typer.Option(
+        None, help="per tenant: fraction of the KV pool its pinned contexts may hold; beyond: 429 "
+        "(default: 1 with one tenant, 0.5 with several API keys)"),
     disaggregated: bool = typer.Option(False, help="run prefill and decode in worker processes, this one routes"),
     prefill_workers: int = typer.Option(1, help="with --disaggregated: prefill worker processes"),
     decode_workers: int = typer.Option(2, help="with --disaggregated: decode worker processes (agents dealt round-robin)"),
@@ -140,6 +144,10 @@ def router(
     api_key: list[str] | None = typer.Option(None, envvar="AGENTSHARE_API_KEYS"),
     transfer_codec: str = typer.Option("bf16"), transport: str = typer.Option("auto", help="shm, tcp or auto"),
     offload_threshold: int = typer.Option(256), bandwidth_aware: bool = typer.Option(True),
+    max_pinned_contexts: int = typer.Option(64, help="per tenant: shared contexts pinned at once; beyond: 429"),
+    max_pinned_share: float | None = typer.Option(
+        None, help="per tenant: fraction of the KV pool its pinned contexts may hold; beyond: 429 "
+        "(default: 1 with one tenant, 0.5 with several API keys)"),
     cluster_secret_file: Path | None = typer.Option(None, help=_SECRET_HELP),
     admin_key_file: Path | None = typer.Option(None, help=f"file (mode 0600) of the key /internal/cluster asks for "
                                                f"(or {_ADMIN_ENV})"),

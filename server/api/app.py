@@ -54,7 +54,8 @@ def create_app(
     collectors = {id(c): c for source in (backend, *plugins) if (c := getattr(source, "collector", None)) is not None}
     for collector in collectors.values():  # a backend's or plugin's own figures (routing, refused calls)
         metrics.registry.register(collector)
-    contexts = ContextStore(backend, metrics, facts.tokenizer)
+    contexts = ContextStore(backend, metrics, facts.tokenizer, block_size=facts.block_size,
+                            max_contexts=config.max_pinned_contexts, max_share=config.pinned_share)
     state = ServerState(backend, config, facts, Tenancy(config.api_keys), metrics, contexts, owns_backend=owns_engine)
 
     @asynccontextmanager

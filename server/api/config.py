@@ -1,8 +1,10 @@
 """What an agentshare server is started with: one frozen, keyword-only object.
 
 >>> cfg = ServerConfig(api_keys=("k1",), max_waiting=8)
->>> cfg.engine_config().max_waiting, cfg.auth_required
-(8, True)
+>>> cfg.engine_config().max_waiting, cfg.auth_required, cfg.pinned_share
+(8, True, 1.0)
+>>> ServerConfig(api_keys=("k1", "k2")).pinned_share  # several tenants: none may pin the whole pool
+0.5
 """
 
 from __future__ import annotations
@@ -36,16 +38,29 @@ class ServerConfig:
     default_max_tokens: int = 256  # when a request gives no limit (KV is reserved up front)
     context_ttl: float = 600.0  # default TTL of a pinned context, seconds
     max_context_ttl: float = 24 * 3600.0
+    max_pinned_contexts: int = 64  # per tenant: shared contexts pinned at once (beyond: 429)
+    max_pinned_share: float | None = None  # per tenant: the fraction of the KV pool its pinned contexts
+    # may hold; None: the whole pool with one tenant, half of it with several API keys
 
     def __post_init__(self) -> None:
         if self.default_max_tokens <= 0 or self.context_ttl <= 0 or self.max_context_ttl < self.context_ttl:
             raise ValueError("default_max_tokens and context_ttl must be positive, max_context_ttl >= context_ttl")
+        if self.max_pinned_contexts < 1 or not 0 < self.pinned_share <= 1:
+            raise ValueError(f"max_pinned_contexts must be >= 1 (got {self.max_pinned_contexts}) and "
+                             f"max_pinned_share in (0, 1] (got {self.max_pinned_share})")
         if any(not k for k in self.api_keys):
             raise ValueError("API keys must be non-empty strings")
 
     @property
     def auth_required(self) -> bool:
         return bool(self.api_keys)
+
+    @property
+    def pinned_share(self) -> float:
+        """The fraction of the KV pool one tenant's pinned contexts may hold."""
+        if self.max_pinned_share is not None:
+            return self.max_pinned_share
+        return 0.5 if len(self.api_keys) > 1 else 1.0
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

@@ -67,7 +67,8 @@ def config_from_options(opts: dict[str, Any]) -> ServerConfig:
         "host": opts.get("host"), "port": opts.get("port"), "model_dir": opts.get("model"),
         "dtype": opts.get("dtype"), "threads": opts.get("threads"), "max_running": opts.get("max_running"),
         "max_waiting": opts.get("queue_limit"), "log_level": opts.get("log_level"),
-        "context_ttl": opts.get("context_ttl"), "step_timeout": opts.get("step_timeout"),
+        "context_ttl": opts.get("context_ttl"), "max_pinned_contexts": opts.get("max_pinned_contexts"),
+        "max_pinned_share": opts.get("max_pinned_share"), "step_timeout": opts.get("step_timeout"),
     }
     return ServerConfig(
         modules=modules, api_keys=tuple(opts.get("api_key") or ()),
