@@ -417,3 +417,22 @@ def test_one_tenant_cannot_pin_the_whole_pool(start_server: Callable[..., str]) 
         g = c.post(f"/v1/contexts/{first.json()['id']}/generate", json={"agent": "coder", "text": "Go.",
                                                                        "max_tokens": 2}, headers=a)
         assert g.status_code == 200, g.text
+
+
+def test_errors_quote_neither_prompts_nor_keys(start_server: Callable[..., str]) -> None:
+    """A refusal says which field and why; it never echoes the prompt, or the key it was sent."""
+    url = start_server(api_keys=("alpha",))
+    secret, key = "zebra-quartz-secret-phrase", "wrong-key-7f3a"
+    ok = {"Authorization": "Bearer alpha"}
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+        refused = [
+            c.post(CHAT_URL, json=chat(messages=user(secret)), headers={"Authorization": f"Bearer {key}"}),
+            c.post(CHAT_URL, json=chat(messages=user(secret + " " + LONG)), headers=ok),
+            c.post(CHAT_URL, json=chat(messages=user(secret), seed=2**64), headers=ok),
+            c.post(COMPLETION_URL, json=completion(prompt=secret, stop=[secret] * (MAX_STOP + 1)), headers=ok),
+            c.post("/v1/contexts", json={"text": secret, "ttl": -1}, headers=ok),
+        ]
+    assert [r.status_code for r in refused] == [401, 413, 422, 422, 422]
+    for r in refused:
+        error_of(r)
+        assert secret not in r.text and key not in r.text, r.text
