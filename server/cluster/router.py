@@ -43,7 +43,7 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from server.api.backend import CacheReport, EventSource
+from server.api.backend import CacheReport, EventSource, HealthReport
 from server.api.errors import ApiError
 from server.api.metrics import EngineSnapshot
 from server.api.state import AgentCard, EngineFacts
@@ -257,6 +257,15 @@ class ClusterBackend:
                     total[name] = total.get(name, 0) + int(getattr(s, name, 0) or 0)
         return EngineSnapshot(**total)
 
+    def health(self) -> HealthReport:
+        """The live workers' queues as the health loop last read them; degraded for every agent
+        that no live decode worker serves (its requests get 503 until one is back)."""
+        stats = [m.stats for m in self._alive() if m.stats is not None]
+        decode = self._alive("decode")
+        lost = [name for name in self.facts.agents if not any(m.serves(name) for m in decode)]
+        return HealthReport(sum(s.waiting for s in stats), sum(s.running for s in stats),
+                            tuple(f"no decode worker serving agent {name!r} is up" for name in lost))
+
     # ---- placement -----------------------------------------------------------------------------
 
     async def _route(
@@ -377,7 +386,10 @@ class ClusterBackend:
         if response.status_code != 200:
             await response.aread()
             await response.aclose()
-            raise _remote(response)
+            error = _remote(response)
+            if str(error).startswith("Unavailable:"):  # its engine is stuck or stopped: another worker
+                raise WorkerDown(f"{member.url}: {error}")
+            raise error
         return response
 
     async def _lookup(self, member: Member, prefix: list[int], salt: str) -> Cached:

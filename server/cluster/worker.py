@@ -67,6 +67,7 @@ from server.cluster.transport import KVReceiver, LinkStats, open_sender
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineCore
 from server.engine.errors import EngineError, InvalidRequest
+from server.engine.sequence import FinishReason
 
 log = logging.getLogger("agentshare.cluster")
 
@@ -344,6 +345,9 @@ class Worker:
             try:
                 async for ev in stream:
                     yield Event.of(ev).model_dump_json() + "\n"
+            except Exception as exc:  # this request's failure, not the worker's: end it with an error
+                log.exception("a generate stream failed", extra={"event": "request_failed", "request": body.request_id})
+                yield Event(finish_reason=FinishReason.ERROR.value, error=f"{type(exc).__name__}: {exc}").model_dump_json() + "\n"
             finally:
                 stream.cancel()  # the router went away: free the KV
 
