@@ -12,9 +12,9 @@ previous pin is released::
 
 Pins are bounded per tenant, so one tenant cannot pin the whole pool: at most ``max_contexts``
 contexts, holding at most ``max_share`` of the KV pool's blocks (each context counts its full
-blocks, even where two contexts share a prefix; at a share of 1 the pool itself is the bound). Past either limit a create or extend gets 429,
-naming the limit, with Retry-After set to when the tenant's first context expires; a context
-larger than the tenant's whole share gets 413.
+blocks, even where two contexts share a prefix; at a share of 1 the pool itself is the bound).
+Past either limit a create or extend gets 429, naming the limit, with Retry-After set to when
+the tenant's first context expires; a context larger than the tenant's whole share gets 413.
 """
 
 from __future__ import annotations
