@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentshare.protocol import ChatMessage, ContextInfo
-from server.api.errors import ApiError, from_engine, not_found, unprocessable
+from server.api.errors import ApiError, echo, from_engine, not_found, unprocessable
 from server.api.metrics import Metrics
 from server.api.prompts import context_tokens, joined_prompt, text_tokens
 from server.engine.errors import Overloaded, PromptTooLong
@@ -143,7 +143,7 @@ class ContextStore:
         self._prune()
         rec = self._records.get(context_id)
         if rec is None or rec.salt != salt:
-            raise not_found(f"no context {context_id!r} (unknown, released or expired)", param="context_id")
+            raise not_found(f"no context {echo(context_id)} (unknown, released or expired)", param="context_id")
         return rec
 
     def _prune(self) -> None:

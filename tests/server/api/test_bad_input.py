@@ -172,6 +172,8 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     ("unknown agent", "/v1/contexts/{ctx}/generate", {"agent": "nope", "text": "x"}, 404, "agent"),
     ("unknown context", "/v1/contexts/ctx_missing/generate", {"agent": "coder", "text": "x"}, 404, "context_id"),
     ("unknown context extended", "/v1/contexts/ctx_missing/extend", {"text": "x"}, 404, "context_id"),
+    ("context id of invalid UTF-8", "/v1/contexts/%ED%A0%80%FF/generate", {"agent": "coder", "text": "x"}, 404,
+     "context_id"),
     ("unknown agent explained", "/v1/explain", {"agent": "nope", "prompt": "x"}, 404, "agent"),
     ("unknown route", "/v1/nothing-here", {}, 404, None),
 ]
