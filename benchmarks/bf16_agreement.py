@@ -22,9 +22,9 @@ Figures, per setting, module and pair of arms:
 - top-1 agreement: teacher-forced on R for ``--tokens`` positions, the fraction of positions where
   both arms' argmax agree;
 - first divergence of the greedy outputs (``--tokens`` if none). A greedy run follows R until its
-  argmax first leaves it, so against fp32 it is read off the forced run; between the two bf16
-  arms it is too, unless both leave R at the same position for the same token, when both are
-  rerun greedily (in the batch, the other rows keep their own forcing or greediness alike);
+  argmax first leaves it, so against fp32 it is read off the forced run (in the batch: with its
+  batch mates forced on their references); between the two bf16 arms too, unless both leave R at
+  the same position for the same token: then both arms are rerun greedily (the whole batch);
 - the largest first-token logit difference: max over the vocabulary of |Δ logit| of the first
   generated position (raw logits, seen through the engine's ``logits_hook``).
 
