@@ -390,11 +390,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     def save(records: list) -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({
+            tmp = args.json.with_suffix(".tmp")  # replaced whole: a reader never sees half a file
+            tmp.write_text(json.dumps({
                 "model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "reference_dtype": "float32",
                 "tokens": args.tokens, "threads": torch.get_num_threads(), "window": WINDOW,
                 "seconds": round(elapsed + time.perf_counter() - started, 1),
                 "figures": summarize(records, args.tokens), "records": records}) + "\n")
+            tmp.replace(args.json)
 
     records = run(cores, batch, args.tokens, done=done, on_record=save)
     save(records)
