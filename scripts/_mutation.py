@@ -47,7 +47,8 @@ MODULES: dict[str, Module] = {
                    ("tests/server/kv/test_pool.py", "tests/server/kv/test_pool_properties.py")),
     "tenancy": Module("server/api/tenancy.py",
                       ("tests/server/api/test_tenancy.py", "-k", "authenticate or salt")),
-    "sampling": Module("server/engine/sampling.py", ("tests/server/engine/test_sampling.py",)),
+    "sampling": Module("server/engine/sampling.py",
+                       ("tests/server/engine/test_sampling.py", "tests/server/engine/test_sampling_robust.py")),
     "protocol": Module("agentshare/protocol.py", ("tests/sdk/test_protocol.py",)),
     "codec": Module("server/cluster/codec.py", ("tests/server/cluster/test_codec.py",)),
 }
@@ -99,6 +100,10 @@ def prepare(name: str) -> Path:
     config = module_config(MODULES[name])
     target = work / "pyproject.toml"
     if not target.exists() or target.read_text() != config:
+        # mutmut regenerates a module's mutants only when its source changes, and keeps results
+        # by mutant number: after a change of configuration (e.g. what is not mutated), start over.
+        for stale in (MODULES[name].source, MODULES[name].source + ".meta"):
+            (work / "mutants" / stale).unlink(missing_ok=True)
         target.write_text(config)
     return work
 

@@ -35,6 +35,7 @@ def test_authenticate_refuses_a_missing_malformed_or_unknown_key(header: str | N
     err = info.value
     assert (err.status, err.type, err.code) == (401, "authentication_error", "invalid_api_key")
     assert err.headers == {"WWW-Authenticate": "Bearer"}
+    assert isinstance(err.message, str) and err.message  # says what was wrong
 
 
 def test_authenticate_maps_each_key_to_its_own_tenant() -> None:

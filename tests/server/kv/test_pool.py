@@ -246,3 +246,113 @@ def test_contiguous_allocation_prefers_a_run_and_falls_back_to_lowest_ids():
     pool.release([0, 2])  # not a run
     assert pool.allocate(2, contiguous=True) == [0, 2]
     assert pool.usage().free == 0
+
+
+def test_construction_defaults_and_limits():
+    pool = BlockPool(1)
+    assert (pool.capacity, pool.block_size, pool.bytes_per_block) == (1, 16, 0)
+    assert BlockPool(2, block_size=1).block_size == 1
+    for bad in ((0, 16), (2, 0), (2, -1)):
+        with pytest.raises(ValueError):
+            BlockPool(*bad)
+    u = BlockPool(3, 16).usage()
+    assert (u.capacity, u.free, u.held, u.evictable) == (3, 3, 0, 0)
+
+
+def test_precomputed_keys_skip_hashing():
+    calls = []
+
+    def counting(data: bytes) -> bytes:
+        calls.append(data)
+        return hashlib.sha256(data).digest()
+
+    pool = BlockPool(4, 16, digest=counting)
+    keys = pool.keys(A, FAMILY)
+    calls.clear()
+    assert pool.match(A, FAMILY, keys=keys).keys == tuple(keys) and calls == []
+
+
+def test_stats_accumulate_over_requests():
+    pool = BlockPool(2, 16)
+    serve(pool, A)
+    serve(pool, A)
+    serve(pool, A)
+    assert (pool.stats.hit_blocks, pool.stats.miss_blocks) == (4, 2)  # two blocks a request
+    serve(pool, B)  # evicts both of A's blocks
+    serve(pool, A)  # and both of B's
+    assert pool.stats.evictions == 4
+
+
+def test_allocation_without_contiguous_takes_the_lowest_free_ids_and_with_it_a_run_of_two():
+    pool = BlockPool(6, 16)
+    held = pool.allocate(6)
+    pool.release([held[i] for i in (0, 2, 3)])  # free {0, 2, 3}
+    assert sorted(pool.allocate(2)) == [0, 2]  # lowest ids, not the run
+    pool.release([0, 2])
+    assert pool.allocate(2, contiguous=True) == [2, 3]  # the run, not the lowest ids
+
+
+def test_register_refuses_blocks_that_are_not_held_private_ones():
+    pool = BlockPool(4, 16)
+    _, held = serve(pool, A, release=False)  # READY and held
+    match = pool.match(B, FAMILY)
+    with pytest.raises(PoolInvariantError):
+        pool.register(match, held, B, FAMILY, computed_by="base")
+
+
+def test_commit_skips_private_blocks_and_still_commits_the_rest():
+    pool = BlockPool(4, 16)
+    match = pool.match(A, FAMILY)
+    pool.acquire(match, reader="base")
+    ids = pool.allocate(2)
+    assert pool.register(match, ids[1:], A, FAMILY, computed_by="base") == 1
+    pool.commit(ids)  # ids[0] is private: skipped, ids[1] committed
+    assert (pool.block(ids[0]).state, pool.block(ids[1]).state) == (BlockState.PRIVATE, BlockState.READY)
+
+
+def test_a_stale_child_is_replaced_and_freed_when_nobody_holds_it():
+    pool = BlockPool(3, 16)
+    tokens = list(range(32))
+    _, (head, child) = serve(pool, tokens, release=False)
+    pool.release([head])  # the head is now the least recently used
+    pool.release([child])
+    filler = pool.allocate(2)  # one free block, then the head is evicted; the child stays cached
+    assert pool.block(head).state is BlockState.PRIVATE and pool.block(child).state is BlockState.READY
+    pool.release(filler)
+    match = pool.match(tokens, FAMILY)
+    assert match.block_ids == ()  # the child is unreachable without its parent
+    pool.acquire(match, reader="base")
+    fresh = pool.allocate(2)
+    assert pool.register(match, fresh, tokens, FAMILY, computed_by="base") == 2  # the child's key is reclaimed
+    pool.commit(fresh)
+    assert child in fresh or pool.block(child).state is BlockState.FREE
+    assert pool.match(tokens, FAMILY).block_ids == tuple(fresh)
+
+
+def test_a_stale_child_still_held_becomes_private_to_its_holder():
+    pool = BlockPool(4, 16)
+    tokens = list(range(32))
+    _, (head, child) = serve(pool, tokens, release=False)
+    pool.release([head])  # the child stays held by its request
+    pool.allocate(pool.usage().free)
+    pool.allocate(1)  # evicts the head
+    match = pool.match(tokens, FAMILY)
+    pool.release([b for b in range(4) if b not in (child,) and pool.block(b).ref_count])
+    pool.acquire(match, reader="base")
+    fresh = pool.allocate(2)
+    assert pool.register(match, fresh, tokens, FAMILY, computed_by="base") == 2
+    assert pool.block(child).state is BlockState.PRIVATE and pool.block(child).key is None
+    pool.release([child])
+    assert pool.block(child).state is BlockState.FREE
+
+
+def test_pin_queries_and_expiry_counts(clock):
+    pool = BlockPool(4, 16, clock=clock)
+    assert pool.next_pin_deadline() is None
+    _, held = serve(pool, A, release=False)
+    first, second = pool.pin(held, ttl=10), pool.pin(held, ttl=20)
+    assert first.id != second.id and pool.is_pinned(first) and pool.is_pinned(second)
+    assert pool.next_pin_deadline() == clock.now + 10
+    clock.now += 30
+    assert pool.expire_pins() == 2 and pool.expire_pins() == 0
+    assert not pool.is_pinned(first) and pool.next_pin_deadline() is None
