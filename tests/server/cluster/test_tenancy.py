@@ -55,8 +55,9 @@ def test_two_tenants_with_the_same_prompt_get_zero_cross_hits(cluster: Running):
 
 def test_the_same_tenant_hits_across_decode_workers(cluster: Running, colocated: str):
     """The coder (decode worker 1) and then the planner (decode worker 2), same tenant, same
-    context: the second request computes only its own suffix, wherever its prefix comes from;
-    the other tenant asking the planner the same computes the prefix again."""
+    context: the first request's prefix is computed by the prefill worker (the session's router
+    offloads every long prefill), so the second computes only its own suffix; the other tenant
+    asking the planner the same computes the prefix again."""
     doc = fresh(DOC)
     chat(cluster.url, "coder", doc, key=A)
     before = cluster.stats()
