@@ -324,3 +324,36 @@ def test_prefix_layout_is_17_little_endian_bytes() -> None:
     assert PREFIX.pack(MAGIC, 1, 2, 3) == MAGIC + b"\x01" + struct.pack("<I", 2) + struct.pack(
         "<Q", 3
     )
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_decoding_gives_the_asked_dtype_and_owns_k_and_v(codec: Codec) -> None:
+    frame = encode(kv(2), codec, block_size=BLOCK)
+    back = decode(frame, dtype=torch.bfloat16)
+    assert back.k.dtype == back.v.dtype == torch.bfloat16
+    same = decode(frame, dtype=torch.float32)
+    expected = (same.k.clone(), same.v.clone())
+    frame.payload[:] = bytes(len(frame.payload))  # type: ignore[index]
+    assert torch.equal(same.k, expected[0]) and torch.equal(same.v, expected[1])
+
+
+def test_int8_saturates_negative_values_too() -> None:
+    chunk = kv(1)
+    chunk.k[0, 0, 0, 0] = -1e7
+    assert roundtrip(chunk, Codec.INT8, torch.float32).k[0, 0, 0, 0] == pytest.approx(-127 * 65504)
+
+
+def test_encode_takes_one_token_blocks_and_refuses_a_zero_block_size_or_integer_kv() -> None:
+    chunk = kv(1)
+    assert decode(encode(chunk, Codec.FP32, block_size=1), dtype=torch.float32).k.shape == chunk.k.shape
+    with pytest.raises(ValueError):
+        encode(chunk, Codec.FP32, block_size=0)
+    with pytest.raises(ValueError):
+        encode(KVChunk(0, chunk.k, chunk.v.to(torch.int32)), Codec.FP32, block_size=BLOCK)
+
+
+@pytest.mark.parametrize("crc", [1 << 32, (1 << 32) + 5, -1])
+def test_a_crc_outside_32_bits_is_a_protocol_error(crc: int) -> None:
+    frame = encode(kv(1), Codec.FP32, block_size=BLOCK)
+    with pytest.raises(ProtocolError):
+        decode(Frame({**frame.header, "crc32": crc}, frame.payload), dtype=torch.float32)
