@@ -357,3 +357,69 @@ def test_a_crc_outside_32_bits_is_a_protocol_error(crc: int) -> None:
     frame = encode(kv(1), Codec.FP32, block_size=BLOCK)
     with pytest.raises(ProtocolError):
         decode(Frame({**frame.header, "crc32": crc}, frame.payload), dtype=torch.float32)
+
+
+def test_int8_keeps_an_exactly_representable_scale_and_round_trips_its_multiples() -> None:
+    # Every group's absmax is 127 * 0.5: the scale 0.5 is exact in fp16, so it is stored as is
+    # (not bumped a ulp up) and values that are multiples of it come back bit for bit.
+    g = torch.Generator().manual_seed(3)
+    shape = (LAYERS, HEADS, 2 * BLOCK, DIM)
+    k_codes = torch.randint(-126, 127, shape, generator=g, dtype=torch.int8)
+    v_codes = torch.randint(-126, 127, shape, generator=g, dtype=torch.int8)
+    k_codes[:, :, ::BLOCK] = 127  # each block's first token holds every channel's absmax
+    v_codes[..., 0] = -127  # each token's first channel holds its absmax
+    chunk = KVChunk(0, k_codes.float() * 0.5, v_codes.float() * 0.5)
+    frame = encode(chunk, Codec.INT8, block_size=BLOCK)
+    sections = frame.header["sections"]
+
+    def section(name: str) -> bytes:
+        offset, length = sections[name]
+        return bytes(frame.payload[offset : offset + length])
+
+    half = struct.pack("<e", 0.5)
+    assert section("k_scale") == half * (LAYERS * HEADS * 2 * DIM)
+    assert section("v_scale") == half * (LAYERS * HEADS * 2 * BLOCK)
+    assert section("k") == k_codes.view(LAYERS, HEADS, 2, BLOCK, DIM).numpy().tobytes()
+    assert section("v") == v_codes.numpy().tobytes()
+    back = decode(frame, dtype=torch.float32)
+    assert torch.equal(back.k, chunk.k) and torch.equal(back.v, chunk.v)
+
+
+def force_crc32_zero(data: bytearray, at: int) -> None:
+    """Rewrite ``data[at : at + 4]`` so that ``zlib.crc32(data) == 0``.
+
+    CRC32 is affine over GF(2) in any 32 consecutive bits: solve for them by elimination.
+    """
+
+    def crc_with(x: int) -> int:
+        data[at : at + 4] = x.to_bytes(4, "little")
+        return zlib.crc32(data)
+
+    base = crc_with(0)
+    basis: dict[int, tuple[int, int]] = {}  # leading bit -> (change of the crc, bits flipped)
+    for i in range(32):
+        change, bits = crc_with(1 << i) ^ base, 1 << i
+        while change:
+            top = change.bit_length() - 1
+            if top not in basis:
+                basis[top] = (change, bits)
+                break
+            change, bits = change ^ basis[top][0], bits ^ basis[top][1]
+    x, rest = 0, base
+    while rest:
+        change, bits = basis[rest.bit_length() - 1]
+        rest, x = rest ^ change, x ^ bits
+    assert crc_with(x) == 0
+
+
+def test_a_payload_whose_crc32_is_zero_is_accepted() -> None:
+    chunk = kv(1)
+    frame = encode(chunk, Codec.FP32, block_size=BLOCK)
+    payload = bytearray(frame.payload)
+    force_crc32_zero(payload, len(payload) - 4)  # the last value of V
+    assert zlib.crc32(payload) == 0
+    back = decode(Frame({**frame.header, "crc32": 0}, payload), dtype=torch.float32)
+    assert torch.equal(back.k, chunk.k)
+    offset, length = frame.header["sections"]["v"]
+    assert back.v.numpy().tobytes() == bytes(payload[offset : offset + length])
+    assert torch.equal(back.v.flatten()[:-1], chunk.v.flatten()[:-1])

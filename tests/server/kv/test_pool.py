@@ -356,3 +356,29 @@ def test_pin_queries_and_expiry_counts(clock):
     clock.now += 30
     assert pool.expire_pins() == 2 and pool.expire_pins() == 0
     assert not pool.is_pinned(first) and pool.next_pin_deadline() is None
+
+
+def test_a_head_freed_twice_never_serves_a_child_of_an_earlier_life():
+    # Each life: the child stays held while its head is evicted and re-registered with the same
+    # key; the child, keyed on the head's old generation, must not be served from the new head.
+    pool = BlockPool(3, 16)
+    _, (head, child) = serve(pool, A, release=False)
+    for life in range(3):
+        pool.release([head])  # the head alone becomes evictable
+        ids = pool.allocate(2)  # the one free block, then the head is evicted and reused
+        assert head in ids, life
+        match = pool.match(A, FAMILY)
+        assert match.block_ids == ()
+        assert pool.register(match, [head], A, FAMILY, computed_by="base") == 1
+        pool.commit([head])
+        assert pool.match(A, FAMILY).block_ids == (head,), life  # the old child is stale
+        match = pool.match(A, FAMILY)
+        pool.acquire(match, reader="base")
+        (new_child,) = (b for b in ids if b != head)
+        assert pool.register(match, [new_child], A, FAMILY, computed_by="base") == 1
+        pool.commit([new_child])
+        assert pool.match(A, FAMILY).block_ids == (head, new_child), life
+        assert pool.block(child).state is BlockState.PRIVATE  # replaced, kept for its holder
+        pool.release([child, head])  # the old child is freed; the head keeps its allocation hold
+        assert pool.block(child).state is BlockState.FREE
+        child = new_child
