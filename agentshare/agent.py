@@ -25,7 +25,9 @@ BASE = "base"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sampling:
-    """Sampling parameters; ``None`` leaves the server's default (256 tokens, temperature 1)."""
+    """Sampling parameters; ``None`` leaves the server's default (256 tokens, temperature 1, no
+    penalty). Each is a field of the native generate request (``GenerateRequest``) of the same name.
+    """
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -33,6 +35,9 @@ class Sampling:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] | None = None
+    repetition_penalty: float | None = None  # > 0; 1: off; above 1 discourages prompt and output tokens
+    frequency_penalty: float | None = None  # [-2, 2]; 0: off; per occurrence in the output
+    presence_penalty: float | None = None  # [-2, 2]; 0: off; once per token in the output
 
     def merged(self, **overrides: Any) -> Sampling:
         """These parameters with ``overrides`` (those not ``None``) on top."""

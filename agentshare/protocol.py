@@ -1,8 +1,11 @@
 """Wire schemas of the agentshare server: the OpenAI-compatible API and the native API.
 
 Pydantic only (no torch): the SDK imports this module, and so does the server. Requests
-tolerate unknown fields (clients send e.g. ``repetition_penalty``); optional knobs default to
-``None`` so the server applies its own defaults. Responses mirror OpenAI's shapes field for
+tolerate unknown fields (clients send e.g. ``user`` or ``metadata``), except the sampling knobs
+this server does not implement (:data:`UNSUPPORTED_SAMPLING`, e.g. ``min_p``), which are refused
+rather than silently ignored; optional knobs default to ``None`` so the server applies its own
+defaults. Each generating request says what it asks of the sampler in one
+:class:`SamplingSpec` (its ``sampling()``), from which the server builds its sampling parameters. Responses mirror OpenAI's shapes field for
 field, so the ``openai`` package's own types validate them.
 
 ::
@@ -20,6 +23,9 @@ field, so the ``openai`` package's own types validate them.
 ...      "max_completion_tokens": 8, "repetition_penalty": 1.1})
 >>> req.token_limit(), req.messages[0].text()
 (8, 'hi')
+>>> spec = req.sampling()
+>>> spec.max_tokens, spec.repetition_penalty, spec.temperature
+(8, 1.1, None)
 >>> ErrorResponse.of("bad value", param="n").model_dump()["error"]["type"]
 'invalid_request_error'
 
@@ -36,6 +42,7 @@ Value error, seed
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -135,6 +142,43 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class SamplingSpec(BaseModel):
+    """What a generating request asks of the sampler, in the engine's terms: one field per field
+    of the server's ``SamplingParams`` (same names; a test checks the two lists are equal), where
+    ``None`` leaves the server's default. The server builds its parameters from it in one place
+    (``SamplingParams.from_spec``), and a request model makes it in one method (``sampling()``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 or 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the top k
+    forced_tokens: tuple[int, ...] = ()
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+
+UNSUPPORTED_SAMPLING: dict[str, tuple[object, ...]] = {
+    # sampling knobs of vLLM, HF, llama.cpp and others this server does not implement -> the values
+    # that ask for nothing (accepted, as is null); any other value is refused with a 400
+    "min_p": (0,), "typical_p": (1,), "top_a": (0,), "tfs": (1,), "tfs_z": (1,), "epsilon_cutoff": (0,),
+    "eta_cutoff": (0,), "min_tokens": (0,), "min_new_tokens": (0,), "best_of": (1,), "use_beam_search": (False,),
+    "num_beams": (1,), "length_penalty": (1,), "early_stopping": (False,), "no_repeat_ngram_size": (0,),
+    "mirostat": (0,), "mirostat_mode": (0,), "repeat_penalty": (1,), "penalize_nl": (False,),
+    "dry_multiplier": (0,), "xtc_probability": (0,), "smoothing_factor": (0,), "logit_bias": ({},),
+    "bad_words": ([],), "allowed_token_ids": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "logits_processors": ([],),
+}
+
+
 class _Sampling(_Request):
     """Fields shared by every generating request; ``None`` means the server's default."""
 
@@ -145,8 +189,38 @@ class _Sampling(_Request):
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: Text | list[Text] | None = None
     ignore_eos: bool = False  # vLLM's extension
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's extension; 1: off
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)  # 0: off
+    presence_penalty: float | None = Field(None, ge=-2, le=2)  # 0: off
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    def sampling(self) -> SamplingSpec:
+        """What this request asks of the sampler: its fields named as the spec's, with the
+        request's own limit, stop list and logprobs count."""
+        given = {name: getattr(self, name) for name in SamplingSpec.model_fields if name in type(self).model_fields}
+        return SamplingSpec(**{**given, "max_tokens": self.token_limit(), "stop": self.stop_list(),
+                               "logprobs": self.logprob_count()})
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """Top logprobs per token (0: the chosen token's only; None: no logprobs)."""
+        return getattr(self, "logprobs", None)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_sampling(self) -> _Sampling:
+        for name, value in (self.model_extra or {}).items():
+            neutral = UNSUPPORTED_SAMPLING.get(name)
+            if neutral is not None and value is not None and value not in neutral:
+                raise PydanticCustomError(
+                    "unsupported_parameter",
+                    "{name}: not supported by this server; omit it (or send null{neutral}). The sampling "
+                    "fields it implements: temperature, top_p, top_k, seed, stop, repetition_penalty, "
+                    "frequency_penalty, presence_penalty",  # pragma: no mutate
+                    {"name": name, "neutral": "".join(f" or {json.dumps(v)}" for v in neutral)})
+        return self
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -173,8 +247,6 @@ class _Sampling(_Request):
 class _OpenAISampling(_Sampling):
     model: Text
     n: int | None = Field(None, ge=1, le=MAX_N)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
 
@@ -202,6 +274,9 @@ class ChatCompletionRequest(_OpenAISampling):
         """``max_completion_tokens`` (what newer clients such as ChatOpenAI send), else ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_OpenAISampling):
     prompt: Text | list[Text] | list[int] | list[list[int]]
@@ -209,9 +284,6 @@ class CompletionRequest(_OpenAISampling):
     echo: bool | None = None
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1)
-
-    def token_limit(self) -> int | None:
-        return self.max_tokens
 
 
 # ---- OpenAI-compatible: responses --------------------------------------------------------------

@@ -4,7 +4,8 @@
 
     status  type                     when
     400     invalid_request_error    the body cannot be read: not JSON, wrong JSON types, a field missing,
-                                     text that is not valid Unicode (a lone surrogate)
+                                     text that is not valid Unicode (a lone surrogate); or it asks for a
+                                     sampling knob this server does not implement (``min_p``, ...)
     401     authentication_error     keys are configured and the request has no valid one
     404     invalid_request_error    unknown agent (code model_not_found), context or route
     413     invalid_request_error    the prompt does not fit the context or the KV pool
@@ -54,7 +55,7 @@ log = logging.getLogger("agentshare.api")
 
 # pydantic error types that mean "the body could not be read" (400) rather than "a value is bad" (422)
 _READ_ERRORS = {"json_invalid", "missing", "model_attributes_type", "union_tag_invalid", "model_type",
-                "invalid_unicode", "string_unicode"}
+                "invalid_unicode", "string_unicode", "unsupported_parameter"}
 _UNICODE_ERRORS = {"invalid_unicode", "string_unicode"}
 _FIELD_PREFIX = re.compile(r"^([a-z_][a-z0-9_]*): ")
 _MAX_ECHO = 200  # characters of a client's value echoed in a message

@@ -39,7 +39,6 @@ from server.api.generation import (
     ChoiceEvent,
     check_finish,
     collect,
-    sampling_params,
     stream_choices,
     until_disconnect,
 )
@@ -48,6 +47,7 @@ from server.api.prompts import chat_request_prompt, completion_prompts
 from server.api.sse import DONE, event_stream, prime, sse, sse_error
 from server.api.state import ServerState
 from server.api.tenancy import Tenant
+from server.engine.sampling import SamplingParams
 from server.engine.sequence import Usage as EngineUsage
 from server.prompt import Prompt
 
@@ -99,11 +99,7 @@ async def generate(context_id: str, body: GenerateRequest, request: Request,
     card = agent(state, body.agent, param="agent")
     rec = state.contexts.get(who.salt, context_id)
     prompt = rec.turn_prompt(state.facts.tokenizer, body.messages, body.text)
-    params = sampling_params(
-        limit=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-        stop=body.stop_list(), default_max_tokens=state.config.default_max_tokens, ignore_eos=body.ignore_eos,
-        logprobs=body.logprobs,
-    )
+    params = SamplingParams.from_spec(body.sampling(), default_max_tokens=state.config.default_max_tokens)
     rid = new_id("gen")
     note(request, request_id=rid, agent=card.name, context_id=rec.id, stream=body.stream,
          prompt_tokens=len(prompt.token_ids))

@@ -39,13 +39,13 @@ from server.api.generation import (
     ChoiceEvent,
     check_finish,
     collect,
-    sampling_params,
     stream_choices,
     until_disconnect,
 )
 from server.api.openai_render import Choices, TokenText, finish_of
 from server.api.prompts import chat_request_prompt, completion_prompts
 from server.api.sse import DONE, event_stream, prime, sse, sse_error
+from server.engine.sampling import SamplingParams
 
 router = APIRouter()
 
@@ -67,11 +67,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
         raise unprocessable("response_format: only {'type': 'text'} is supported", param="response_format")
     card = agent(state, body.model)
     prompt = chat_request_prompt(state.facts.tokenizer, body.messages)
-    params = sampling_params(
-        limit=body.token_limit(), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        seed=body.seed, stop=body.stop_list(), default_max_tokens=state.config.default_max_tokens,
-        ignore_eos=body.ignore_eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-    )
+    params = SamplingParams.from_spec(body.sampling(), default_max_tokens=state.config.default_max_tokens)
     n, rid = body.n or 1, new_id("chatcmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream, prompt_tokens=len(prompt.token_ids))
     events = stream_choices(state.backend, state.metrics, rid, card.name, [prompt], params, n=n, salt=who.salt)
@@ -127,11 +123,7 @@ async def completions(body: CompletionRequest, request: Request, who: Caller) ->
         raise unprocessable("best_of: only best_of == n is supported", param="best_of")
     card = agent(state, body.model)
     prompts = completion_prompts(state.facts.tokenizer, body.prompt, vocab_size=len(state.facts.tokenizer))
-    params = sampling_params(
-        limit=body.token_limit(), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        seed=body.seed, stop=body.stop_list(), default_max_tokens=state.config.default_max_tokens,
-        ignore_eos=body.ignore_eos, logprobs=body.logprobs,
-    )
+    params = SamplingParams.from_spec(body.sampling(), default_max_tokens=state.config.default_max_tokens)
     rid = new_id("cmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream,
          prompt_tokens=sum(len(p.token_ids) for p in prompts))
@@ -183,9 +175,7 @@ def _logged_usage(request: Request, acc: Choices) -> Usage:
 
 
 def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
-    """Known OpenAI options this server cannot honour are refused, not silently ignored."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise unprocessable(f"{name}: penalties are not supported (send 0 or omit it)", param=name)
+    """Known OpenAI options this server cannot honour are refused, not silently ignored (unknown
+    sampling knobs such as ``min_p`` are refused by the request schema itself)."""
     if body.logit_bias:
         raise unprocessable("logit_bias: not supported", param="logit_bias")

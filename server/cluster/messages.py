@@ -26,9 +26,10 @@ router's API answers exactly as the colocated server would.
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, RootModel, model_validator
 
 from agentshare.protocol import AgentInfo
 from server.engine.errors import (
@@ -201,29 +202,33 @@ class Report(BaseModel):
     cached_blocks: int
 
 
-class SamplingFields(BaseModel):
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None
-    forced_tokens: list[int]
+class SamplingFields(RootModel[SamplingParams]):
+    """A request's :class:`SamplingParams` whole, as the router sends it to a decode worker: every
+    field of the dataclass travels and is validated again on arrival, so a new sampling field
+    needs no edit here. A field this worker does not know is refused, never dropped (a router
+    and a worker of different versions).
+
+    >>> p = SamplingParams(temperature=0.5, stop=("x",), presence_penalty=1.0)
+    >>> SamplingFields.model_validate_json(SamplingFields.of(p).model_dump_json()).params() == p
+    True
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - {f.name for f in dataclasses.fields(SamplingParams)})
+            if unknown:
+                raise ValueError(f"unknown sampling field(s) {unknown}: the router runs another version "
+                                 "than this worker; run the same version on both")
+        return data
 
     @classmethod
     def of(cls, p: SamplingParams) -> SamplingFields:
-        return cls(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                   stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                   logprobs=p.logprobs, forced_tokens=list(p.forced_tokens))
+        return cls(p)
 
     def params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop=tuple(self.stop),
-                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              logprobs=self.logprobs, forced_tokens=tuple(self.forced_tokens))
+        return self.root
 
 
 class Generate(BaseModel):

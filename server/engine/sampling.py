@@ -4,10 +4,18 @@ Each request owns a ``torch.Generator`` seeded from its seed (or from fresh entr
 exactly one sample per step from it, whatever else is in the batch: a seeded request gives the
 same tokens alone and inside any batch (DESIGN §4).
 
-Per row, in order: temperature (0 = greedy) → top-k → top-p (nucleus) → sample. Log-probabilities
-are those of the model's distribution (log-softmax of the raw logits), as vLLM and OpenAI
-report them, for the chosen token and the ``logprobs`` most likely ones: at every temperature,
-never those of the scaled or truncated distribution the token was drawn from.
+Per row, in order: penalties → temperature (0 = greedy) → top-k → top-p (nucleus) → sample.
+The penalties (as vLLM applies them, before the greedy argmax too) need the row's tokens so far:
+
+- ``repetition_penalty`` (HF/vLLM; 1 is off): the logit of every token that appears in the
+  prompt or the output is divided by it where positive, multiplied by it where negative;
+- ``frequency_penalty``, ``presence_penalty`` (OpenAI; 0 is off, range [-2, 2]), over the
+  generated tokens only: ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+
+Log-probabilities are those of the model's distribution (log-softmax of the raw logits), as vLLM
+and OpenAI report them, for the chosen token and the ``logprobs`` most likely ones: at every
+temperature and penalty, never those of the penalized, scaled or truncated distribution the
+token was drawn from.
 
 The sampler is total: every row gives a token, whatever its values and the parameters, and
 never raises on them (a failed draw once took the whole engine down). The defined choices:
@@ -34,6 +42,14 @@ never raises on them (a failed draw once took the whole engine down). The define
 >>> out = sample(torch.tensor([[0.0, 3.0, 1.0]]), [params], [None])[0]
 >>> out.token_id, [t for t, _ in out.top_logprobs]
 (1, [1, 2])
+
+A presence penalty of 2 (prompt ``[0]``, token 1 generated once) turns greedy from token 1
+(logit 3 - 2 = 1) to token 2; the reported logprobs are still the raw ones, where 1 leads:
+
+>>> params = SamplingParams(temperature=0.0, logprobs=2, presence_penalty=2.0)
+>>> out = sample(torch.tensor([[0.0, 3.0, 1.5]]), [params], [None], tokens=[([0], [1])])[0]
+>>> out.token_id, [t for t, _ in out.top_logprobs]
+(2, [1, 2])
 """
 
 from __future__ import annotations
@@ -42,14 +58,21 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from server.engine.errors import InvalidRequest
 
+if TYPE_CHECKING:
+    from agentshare.protocol import SamplingSpec
+
 MAX_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0
 """The log-probability reported for a token the row makes impossible."""
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
+GREEDY_BELOW = 1e-5  # a requested temperature under this samples greedily (as vLLM does)
+MIN_TOP_P = 1e-6  # float32 rounds smaller values to 0, which would keep no token at all
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +91,9 @@ class SamplingParams:
     forced_tokens: tuple[int, ...] = ()
     """Teacher forcing: emit these tokens in order instead of sampling (scoring a given
     continuation; its logprobs are reported as for sampled tokens). Sampling resumes after."""
+    repetition_penalty: float = 1.0  # > 0; 1: off (HF/vLLM: prompt and output tokens)
+    frequency_penalty: float = 0.0  # [-2, 2]; 0: off (OpenAI: per occurrence in the output)
+    presence_penalty: float = 0.0  # [-2, 2]; 0: off (OpenAI: once per token in the output)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -82,13 +108,52 @@ class SamplingParams:
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
+        if not _real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest("repetition_penalty must be a finite number > 0 (1 disables it, above 1 "
+                                 f"discourages repeats), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _real(value) or not (-MAX_PENALTY <= value <= MAX_PENALTY):
+                raise InvalidRequest(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g} "
+                                     f"(0 disables it), got {value!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "forced_tokens", tuple(self.forced_tokens))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
+    @classmethod
+    def from_spec(cls, spec: SamplingSpec, *, default_max_tokens: int = 256) -> SamplingParams:
+        """The parameters a request's :class:`~agentshare.protocol.SamplingSpec` asks for: its
+        ``None`` fields take the server's defaults (OpenAI's: temperature 1, top_p 1), and values the
+        request schemas accept but float32 sampling cannot represent are clamped to their meaning: a
+        temperature below 1e-5 is greedy (as vLLM does), a top_p below 1e-6 keeps only the most likely
+        token (which it does anyway for any vocabulary under a million tokens), a top_k of -1 is off.
+
+        >>> from agentshare.protocol import SamplingSpec
+        >>> p = SamplingParams.from_spec(SamplingSpec(top_k=-1), default_max_tokens=16)
+        >>> p.max_tokens, p.temperature, p.top_k
+        (16, 1.0, 0)
+        >>> q = SamplingParams.from_spec(SamplingSpec(max_tokens=4, temperature=1e-300, top_p=1e-300))
+        >>> q.max_tokens, q.temperature, q.top_p
+        (4, 0.0, 1e-06)
+        """
+        given = {k: v for k, v in spec if v is not None}
+        given.setdefault("max_tokens", default_max_tokens)
+        if given.get("temperature", 1.0) < GREEDY_BELOW:
+            given["temperature"] = 0.0
+        if "top_p" in given:
+            given["top_p"] = max(given["top_p"], MIN_TOP_P)
+        if given.get("top_k", 0) < 0:
+            given["top_k"] = 0
+        return cls(**given)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is set (the row's tokens so far are then needed to sample)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def generator(self) -> torch.Generator:
         """A fresh generator for one request: seeded, or from OS entropy."""
@@ -109,24 +174,23 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     forced: Sequence[int | None] | None = None,
+    *,
+    tokens: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
 ) -> list[Sampled]:
     """One token per row of ``logits`` [rows, vocab]. ``generators[i]`` may be None for greedy
-    rows; ``forced[i]``, if not None, is taken instead of sampling (teacher forcing)."""
+    rows; ``forced[i]``, if not None, is taken instead of sampling (teacher forcing).
+    ``tokens[i]`` is row ``i``'s ``(prompt token ids, generated token ids so far)``, which the
+    penalties read: a row with a penalty set and no ``tokens`` raises ``ValueError``. Penalties
+    change the token chosen (greedy or drawn), never the logprobs reported (the raw model's)."""
     logits = _sanitize(logits.float())
     out: list[Sampled] = []
     want_lp = any(p.logprobs is not None for p in params)
     logprobs = _logprobs(logits) if want_lp else None
     for i, p in enumerate(params):
-        row = logits[i]
         if forced is not None and forced[i] is not None:
             token = int(forced[i])  # type: ignore[arg-type]
-        elif p.greedy:
-            token = int(torch.argmax(row))
         else:
-            g = generators[i]
-            if g is None:
-                raise ValueError("a sampled (temperature > 0) row needs its generator")
-            token = _draw(row, p, g)
+            token = _choose(logits[i], p, generators[i], None if tokens is None else tokens[i])
         if p.logprobs is None or logprobs is None:
             out.append(Sampled(token))
             continue
@@ -137,6 +201,51 @@ def sample(
             top = list(zip(idx.tolist(), vals.tolist(), strict=True))
         out.append(Sampled(token, float(lp[token]), top))
     return out
+
+
+def _choose(row: torch.Tensor, p: SamplingParams, g: torch.Generator | None,
+            tokens: tuple[Sequence[int], Sequence[int]] | None) -> int:
+    """The token of one sanitized row: penalized, then greedy or drawn."""
+    if p.penalized:
+        if tokens is None:
+            raise ValueError("a row with a penalty set needs its tokens: (prompt ids, generated ids so far)")
+        row = _penalize(row, p, *tokens)
+    if p.greedy:
+        return int(torch.argmax(row))
+    if g is None:
+        raise ValueError("a sampled (temperature > 0) row needs its generator")
+    return _draw(row, p, g)
+
+
+def _penalize(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
+    """A sanitized row with the penalties applied. A finite logit stays finite (clamped to the
+    float32 range: a division by a tiny penalty cannot make a ``+inf``), a ``-inf`` one stays
+    ``-inf``, so every rule of the sanitized row still holds. Token ids outside the row are ignored.
+
+    >>> row = torch.tensor([2.0, -2.0, 1.0, 4.0])
+    >>> _penalize(row, SamplingParams(repetition_penalty=2.0), [0], [1]).tolist()
+    [1.0, -4.0, 1.0, 4.0]
+    >>> _penalize(row, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), [0], [3, 3, 2]).tolist()
+    [2.0, -2.0, -0.5, 2.0]
+    """
+    vocab = row.numel()
+    out = torch.tensor([t for t in output if 0 <= t < vocab], dtype=torch.long)
+    new = row
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor([t for t in prompt if 0 <= t < vocab], dtype=torch.long)] = True
+        seen[out] = True
+        scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        new = torch.where(seen, scaled, new)
+    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        counts = torch.bincount(out, minlength=vocab).to(row.dtype)
+        new = new - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
+    big = torch.finfo(row.dtype).max
+    return torch.where(torch.isfinite(row), new.nan_to_num(nan=0.0).clamp(-big, big), row)
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _sanitize(logits: torch.Tensor) -> torch.Tensor:

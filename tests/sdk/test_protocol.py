@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
@@ -16,6 +18,7 @@ from agentshare.protocol import (
     ErrorResponse,
     ExplainRequest,
     GenerateRequest,
+    SamplingSpec,
     Usage,
 )
 
@@ -121,3 +124,85 @@ def test_explain_takes_messages_or_a_prompt_or_a_context() -> None:
     assert ExplainRequest.model_validate({"agent": "a", "messages": [USER]}).messages
     refused(ExplainRequest, agent="a")
     refused(ExplainRequest.model_validate, obj={"agent": "a", "messages": [USER], "prompt": "p"})
+
+
+# ---- what a request asks of the sampler --------------------------------------------------------
+
+
+def completion_request(**fields: object) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "p", **fields})
+
+
+def generate_request(**fields: object) -> GenerateRequest:
+    return GenerateRequest.model_validate({"agent": "a", "text": "t", **fields})
+
+
+KNOBS = {"temperature": 0.5, "top_p": 0.25, "top_k": 7, "seed": 11, "stop": ["x", "y"], "ignore_eos": True,
+         "repetition_penalty": 1.3, "frequency_penalty": -0.5, "presence_penalty": 2.0}
+ASKED = {**KNOBS, "stop": ("x", "y"), "max_tokens": 6}
+
+
+@pytest.mark.parametrize(("make", "extra", "logprobs"), [
+    (chat, {"max_completion_tokens": 6, "max_tokens": 9, "logprobs": True, "top_logprobs": 3}, 3),
+    (completion_request, {"max_tokens": 6, "logprobs": 0}, 0),
+    (generate_request, {"max_tokens": 6, "logprobs": 5}, 5),
+])
+def test_every_request_carries_its_sampling_fields_into_its_spec(make: Any, extra: dict[str, Any],
+                                                                  logprobs: int) -> None:
+    spec = make(**KNOBS, **extra).sampling()
+    assert spec == SamplingSpec(**ASKED, logprobs=logprobs)
+
+
+@pytest.mark.parametrize("make", [chat, completion_request, generate_request])
+def test_a_request_that_sets_nothing_leaves_every_default_to_the_server(make: Any) -> None:
+    assert make().sampling() == SamplingSpec()
+
+
+def test_chat_logprobs_are_the_top_logprobs_count_only_when_asked() -> None:
+    assert chat(logprobs=True).sampling().logprobs == 0
+    assert chat(logprobs=False, top_logprobs=4).sampling().logprobs is None
+    assert chat(top_logprobs=4).sampling().logprobs is None
+    assert chat(max_tokens=9).sampling().max_tokens == 9
+
+
+def test_the_spec_refuses_a_field_the_engine_does_not_have() -> None:
+    refused(SamplingSpec, min_p=0.1)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
+    ("repetition_penalty", float("nan")), ("frequency_penalty", 2.01), ("frequency_penalty", -2.01),
+    ("presence_penalty", 3), ("presence_penalty", float("nan")),
+])
+def test_penalties_out_of_range_are_refused_on_their_field(field: str, value: float) -> None:
+    for make in (chat, completion_request, generate_request):
+        assert refused(make, **{field: value}).errors()[0]["loc"] == (field,)
+
+
+def test_penalties_at_their_limits_are_accepted() -> None:
+    assert chat(frequency_penalty=-2, presence_penalty=2, repetition_penalty=1e-9).sampling().presence_penalty == 2
+
+
+@pytest.mark.parametrize(("field", "value", "neutral"), [
+    ("min_p", 0.05, "or 0"), ("typical_p", 0.9, "or 1"), ("min_tokens", 2, "or 0"), ("best_of", 3, "or 1"),
+    ("use_beam_search", True, "or false"), ("length_penalty", 0.5, "or 1"), ("mirostat", 2, "or 0"),
+    ("top_a", 0.2, "or 0"), ("logit_bias", {"5": 1.0}, "or {}"), ("guided_json", {"type": "object"}, "null)"),
+])
+def test_a_sampling_knob_this_server_lacks_is_refused_naming_it(field: str, value: object, neutral: str) -> None:
+    makers = [chat, completion_request, generate_request]
+    if field in ("best_of", "logit_bias"):  # declared by the OpenAI requests (their own rules apply)
+        makers = [generate_request] if field == "logit_bias" else [chat, generate_request]
+    for make in makers:
+        [err] = refused(make, **{field: value}).errors()
+        assert err["type"] == "unsupported_parameter"
+        assert err["msg"].startswith(f"{field}: not supported by this server; omit it (or send null")
+        assert neutral in err["msg"] and "repetition_penalty" in err["msg"]
+
+
+def test_unsupported_knobs_at_their_neutral_values_and_unrelated_extras_are_accepted() -> None:
+    neutral = {"min_p": 0.0, "typical_p": 1, "min_tokens": 0, "use_beam_search": False, "best_of": 1,
+               "length_penalty": 1.0, "logit_bias": {}, "guided_json": None, "bad_words": []}
+    unrelated = {"user": "u", "metadata": {"k": "v"}, "store": True, "parallel_tool_calls": False,
+                 "some_future_field": {"x": 1}}
+    for make in (chat, completion_request, generate_request):
+        assert make(**neutral, **unrelated).sampling() == SamplingSpec()

@@ -132,8 +132,18 @@ CASES: list[tuple[str, str, object, int, str | None]] = [
     ("empty token-id prompt", COMPLETION_URL, completion(prompt=[[]]), 422, "prompt"),
     # refused OpenAI options
     ("logit_bias", CHAT_URL, chat(logit_bias={"1": 5}), 422, "logit_bias"),
-    ("presence_penalty", CHAT_URL, chat(presence_penalty=0.5), 422, "presence_penalty"),
-    ("frequency_penalty", COMPLETION_URL, completion(frequency_penalty=0.5), 422, "frequency_penalty"),
+    ("presence_penalty 2.5", CHAT_URL, chat(presence_penalty=2.5), 422, "presence_penalty"),
+    ("frequency_penalty -3", COMPLETION_URL, completion(frequency_penalty=-3), 422, "frequency_penalty"),
+    ("repetition_penalty 0", CHAT_URL, chat(repetition_penalty=0), 422, "repetition_penalty"),
+    ("generate repetition_penalty -1", "/v1/contexts/{ctx}/generate",
+     {"agent": "coder", "text": "x", "repetition_penalty": -1}, 422, "repetition_penalty"),
+    # sampling knobs this server does not implement: refused (400), never silently ignored
+    ("min_p", CHAT_URL, chat(min_p=0.05), 400, "min_p"),
+    ("completion min_tokens", COMPLETION_URL, completion(min_tokens=3), 400, "min_tokens"),
+    ("chat best_of 2", CHAT_URL, chat(best_of=2), 400, "best_of"),
+    ("generate min_p", "/v1/contexts/{ctx}/generate", {"agent": "coder", "text": "x", "min_p": 0.1}, 400, "min_p"),
+    ("generate logit_bias", "/v1/contexts/{ctx}/generate", {"agent": "coder", "text": "x", "logit_bias": {"1": 2}},
+     400, "logit_bias"),
     ("tools", CHAT_URL, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 422, "tools"),
     ("response_format json", CHAT_URL, chat(response_format={"type": "json_object"}), 422, "response_format"),
     ("suffix", COMPLETION_URL, completion(suffix="x"), 422, "suffix"),
@@ -191,6 +201,14 @@ SERVED: list[tuple[str, str, dict[str, Any]]] = [
     (f"{MAX_STOP} stops", CHAT_URL, chat(stop=[f"s{i}" for i in range(MAX_STOP)], max_tokens=2)),
     ("token ids at both ends of the vocabulary", COMPLETION_URL, completion(prompt=[0, 49151])),
     ("1 MB user field (ignored)", CHAT_URL, chat(user=MB)),
+    ("unrelated extras (ignored)", CHAT_URL, chat(metadata={"a": "b"}, store=False, parallel_tool_calls=True,
+                                                  some_future_field={"x": 1})),
+    ("unsupported knobs at their neutral values", CHAT_URL, chat(min_p=0, typical_p=1.0, use_beam_search=False,
+                                                                 best_of=1, min_tokens=0, length_penalty=1)),
+    ("penalties at their limits", CHAT_URL, chat(presence_penalty=2, frequency_penalty=-2, repetition_penalty=1e-3,
+                                                 max_tokens=3)),
+    ("completion penalties", COMPLETION_URL, completion(presence_penalty=-2, frequency_penalty=2,
+                                                        repetition_penalty=50.0, max_tokens=3)),
 ]
 
 
@@ -296,10 +314,12 @@ SAMPLING = {
     "stop": mostly(TEXT | st.lists(TEXT, max_size=MAX_STOP + 1)), "ignore_eos": mostly(st.booleans()),
     "stream": mostly(st.booleans()),
     "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "presence_penalty": mostly(st.just(0) | st.floats(-2.5, 2.5)),
+    "frequency_penalty": mostly(st.just(0) | st.floats(-2.5, 2.5)),
+    "repetition_penalty": mostly(st.just(1) | st.floats(-0.5, 3)), "min_p": mostly(st.just(0) | st.floats(0, 1)),
 }
 OPENAI = {**SAMPLING, "model": mostly(st.sampled_from(["base", "coder", "planner"]), TEXT | JSON), "n": mostly(SMALL),
-          "presence_penalty": mostly(st.just(0) | st.floats(-2, 2)),
-          "frequency_penalty": mostly(st.just(0) | st.floats(-2, 2)), "logit_bias": JSON, "user": TEXT}
+          "logit_bias": JSON, "user": TEXT}
 CHAT_FIELDS = {**OPENAI, "messages": MESSAGES, "max_completion_tokens": mostly(SMALL),
                "logprobs": mostly(st.booleans()), "top_logprobs": mostly(st.integers(-1, MAX_TOP_LOGPROBS + 1)),
                "tools": JSON,

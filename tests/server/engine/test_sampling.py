@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from agentshare.protocol import SamplingSpec
 from server.engine.errors import InvalidRequest
 from server.engine.sampling import SamplingParams, sample
 
@@ -151,3 +152,150 @@ def test_boundary_values_are_accepted_and_sequences_become_tuples():
 def test_bad_sampling_values_are_clear_typed_errors(kwargs, msg):
     with pytest.raises(InvalidRequest, match=msg):
         SamplingParams(**kwargs)
+
+
+# ---- penalties ---------------------------------------------------------------------------------
+# What the sampler sees is checked through the public API: a penalty shifts the greedy choice
+# exactly at the margin the arithmetic predicts (logits of 1 and 3 tie at a shift of 2, and
+# ``argmax`` takes the first of a tie), and seeded draws equal those from the logits penalized
+# by hand.
+
+
+def greedy(row: list[float], tokens: tuple[list[int], list[int]], **penalties: float) -> int:
+    return sample(torch.tensor([row]), [SamplingParams(temperature=0, **penalties)], [None], tokens=[tokens])[0].token_id
+
+
+@pytest.mark.parametrize(("penalties", "generated", "token"), [
+    ({"frequency_penalty": 0.5}, [1, 1, 1], 1),  # 3 - 1.5 > 1
+    ({"frequency_penalty": 0.5}, [1, 1, 1, 1], 0),  # 3 - 2 == 1: a tie, the first wins
+    ({"presence_penalty": 1.9}, [1, 1, 1, 1], 1),  # once per token, whatever its count: 3 - 1.9
+    ({"presence_penalty": 2.0}, [1], 0),  # 3 - 2
+    ({"frequency_penalty": 1.0, "presence_penalty": 1.0}, [1], 0),  # 3 - 1 - 1
+    ({"frequency_penalty": 1.0, "presence_penalty": 0.9}, [1], 1),
+    ({"frequency_penalty": -2.0}, [0], 0),  # negative: encourages a repeat, 1 + 2 == 3
+    ({"presence_penalty": -1.9}, [0], 1),
+    ({"repetition_penalty": 3.0}, [1], 0),  # positive logit divided: 3 / 3 == 1
+    ({"repetition_penalty": 2.9}, [1], 1),
+])
+def test_penalties_shift_the_logits_by_exactly_their_formula(penalties, generated, token):
+    assert greedy([1.0, 3.0], ([], generated), **penalties) == token
+
+
+def test_the_repetition_penalty_reads_the_prompt_and_multiplies_negative_logits():
+    assert greedy([1.0, 3.0], ([1], []), repetition_penalty=3.0) == 0  # a prompt token counts
+    assert greedy([1.0, 3.0], ([1], []), repetition_penalty=2.9) == 1
+    assert greedy([-1.0, -3.0, -2.5], ([0], []), repetition_penalty=2.5) == 0  # -1 * 2.5 == -2.5: tie, first
+    assert greedy([-1.0, -3.0, -2.4], ([0], []), repetition_penalty=2.5) == 2
+    assert greedy([-1.0, -3.0], ([1], []), repetition_penalty=0.2) == 1  # below 1 rewards a repeat: -0.6
+    assert greedy([1.0, 3.0], ([1, 1, 1], [1, 1]), repetition_penalty=2.0) == 1  # once, not per occurrence
+
+
+def test_frequency_and_presence_penalties_ignore_the_prompt():
+    prompt = [1] * 20
+    assert greedy([1.0, 3.0], (prompt, []), frequency_penalty=2.0, presence_penalty=2.0) == 1
+    assert greedy([1.0, 3.0], (prompt, [1]), frequency_penalty=2.0, presence_penalty=2.0) == 0
+
+
+def test_token_ids_outside_the_row_are_ignored():
+    assert greedy([1.0, 3.0], ([-1, 7, 2**40], [5, -3]), repetition_penalty=5.0, presence_penalty=2.0) == 1
+
+
+def test_a_strong_penalty_changes_greedy_and_leaves_the_logprobs_raw():
+    lg = logits(1, seed=8)
+    top = int(lg[0].argmax())
+    plain = SamplingParams(temperature=0, logprobs=5)
+    penalized = SamplingParams(temperature=0, logprobs=5, frequency_penalty=2.0, presence_penalty=2.0,
+                               repetition_penalty=1.5)
+    a = sample(lg, [plain], [None])[0]
+    b = sample(lg, [penalized], [None], tokens=[([top], [top, top])])[0]
+    assert a.token_id == top and b.token_id != top
+    ref = torch.log_softmax(lg[0], -1)
+    assert b.logprob == pytest.approx(float(ref[b.token_id]), abs=1e-6)  # the raw model's, not the penalized
+    assert b.top_logprobs == a.top_logprobs and b.top_logprobs[0][0] == top
+
+
+def test_sampled_rows_draw_from_the_penalized_logits():
+    lg = logits(1, seed=9)
+    prompt, output = [3, 4, 5], [5, 7, 7, 7, 11]
+    p = SamplingParams(temperature=0.8, seed=21, repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=-0.4)
+    by_hand = lg.clone()
+    for t in (3, 4, 5, 7, 11):
+        v = by_hand[0, t]
+        by_hand[0, t] = v / 1.7 if v > 0 else v * 1.7
+    for t, count in ((5, 1), (7, 3), (11, 1)):
+        by_hand[0, t] -= 0.6 * count - 0.4
+    plain = SamplingParams(temperature=0.8, seed=21)
+    g, h = p.generator(), plain.generator()
+    got = [sample(lg, [p], [g], tokens=[(prompt, output)])[0].token_id for _ in range(40)]
+    want = [sample(by_hand, [plain], [h])[0].token_id for _ in range(40)]
+    assert got == want and len(set(got)) > 1
+
+
+def test_a_penalized_row_needs_its_tokens_unless_forced():
+    lg = logits(1)
+    with pytest.raises(ValueError, match="tokens"):
+        sample(lg, [SamplingParams(temperature=0, presence_penalty=0.5)], [None])
+    assert sample(lg, [SamplingParams(temperature=0, presence_penalty=0.5)], [None], forced=[3])[0].token_id == 3
+    assert sample(lg, [SamplingParams(temperature=0)], [None])[0].token_id == int(lg.argmax())  # no penalty: none needed
+    assert SamplingParams().penalized is False
+    assert all(SamplingParams(**{k: v}).penalized for k, v in
+               (("repetition_penalty", 1.1), ("frequency_penalty", -0.1), ("presence_penalty", 0.1)))
+
+
+def test_penalties_at_their_limits_are_accepted():
+    p = SamplingParams(repetition_penalty=1e-3, frequency_penalty=-2.0, presence_penalty=2.0)
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1e-3, -2.0, 2.0)
+    assert SamplingParams(frequency_penalty=2.0, presence_penalty=-2.0, repetition_penalty=100.0).penalized
+
+
+@pytest.mark.parametrize(("kwargs", "msg"), [
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"frequency_penalty": 2.01}, r"frequency_penalty must be between -2 and 2 \(0 disables it\), got 2.01"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"presence_penalty": 3.0}, "presence_penalty must be between -2 and 2"),
+    ({"presence_penalty": float("-inf")}, "presence_penalty"),
+    ({"presence_penalty": True}, "presence_penalty"),
+])
+def test_bad_penalties_are_clear_typed_errors(kwargs, msg):
+    with pytest.raises(InvalidRequest, match=msg):
+        SamplingParams(**kwargs)
+
+
+# ---- from a request's spec ---------------------------------------------------------------------
+
+
+def test_from_spec_applies_the_servers_defaults_to_what_the_request_leaves_out():
+    assert SamplingParams.from_spec(SamplingSpec(), default_max_tokens=16) == SamplingParams(max_tokens=16)
+    assert SamplingParams.from_spec(SamplingSpec()) == SamplingParams()
+
+
+def test_from_spec_carries_every_field_the_request_sets():
+    spec = SamplingSpec(max_tokens=5, temperature=0.7, top_p=0.5, top_k=3, seed=9, stop=("x",), stop_token_ids=(2,),
+                        ignore_eos=True, logprobs=4, forced_tokens=(1,), repetition_penalty=1.2,
+                        frequency_penalty=-0.5, presence_penalty=0.5)
+    assert SamplingParams.from_spec(spec, default_max_tokens=99) == SamplingParams(**spec.model_dump())
+
+
+@pytest.mark.parametrize(("given", "field", "value"), [
+    ({"temperature": 1e-300}, "temperature", 0.0),  # below 1e-5: greedy, as vLLM
+    ({"temperature": 0.99e-5}, "temperature", 0.0),
+    ({"temperature": 1e-5}, "temperature", 1e-5),
+    ({"temperature": 0.0}, "temperature", 0.0),
+    ({"top_p": 1e-300}, "top_p", 1e-6),  # float32 would make it 0: it keeps the top token anyway
+    ({"top_p": 1e-6}, "top_p", 1e-6),
+    ({"top_p": 0.3}, "top_p", 0.3),
+    ({"top_k": -1}, "top_k", 0),  # vLLM's "off"
+    ({"top_k": 0}, "top_k", 0),
+    ({"top_k": 7}, "top_k", 7),
+])
+def test_from_spec_clamps_what_float32_sampling_cannot_represent(given, field, value):
+    assert getattr(SamplingParams.from_spec(SamplingSpec(**given)), field) == value
+
+
+def test_from_spec_refuses_a_bad_value_as_the_engine_does():
+    with pytest.raises(InvalidRequest, match="presence_penalty"):
+        SamplingParams.from_spec(SamplingSpec(presence_penalty=5.0))

@@ -119,3 +119,26 @@ def test_any_row_and_any_valid_parameters_give_a_documented_token(lg, temperatur
         assert torch.isfinite(r[out.token_id])  # never a NaN or -inf token while a finite one exists
     else:
         assert out.token_id == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(lg=rows(), temperature=st.one_of(st.just(0.0), st.floats(5e-324, 1e300)),
+       repetition=st.one_of(st.just(1.0), st.floats(5e-324, 1e300)), frequency=st.floats(-2.0, 2.0),
+       presence=st.floats(-2.0, 2.0), prompt=st.lists(st.integers(-3, 15), max_size=8),
+       output=st.lists(st.integers(-3, 15), max_size=8), seed=st.integers(0, 2**63))
+def test_any_row_and_any_valid_penalties_give_a_documented_token_and_the_raw_logprobs(
+        lg, temperature, repetition, frequency, presence, prompt, output, seed):
+    p = SamplingParams(temperature=temperature, seed=seed, logprobs=2, repetition_penalty=repetition,
+                       frequency_penalty=frequency, presence_penalty=presence)
+    out = sample(lg, [p], [p.generator()], tokens=[(prompt, output)])[0]
+    raw = sample(lg, [SamplingParams(temperature=0, logprobs=2)], [None])[0]
+    r = lg[0]
+    assert 0 <= out.token_id < r.numel()
+    assert out.top_logprobs == raw.top_logprobs  # penalties never touch the reported logprobs
+    assert math.isfinite(out.logprob)
+    if torch.isposinf(r).any():  # a point mass stays one
+        assert out.token_id == int(torch.isposinf(r).to(torch.int8).argmax())
+    elif torch.isfinite(r).any():
+        assert torch.isfinite(r[out.token_id])  # a penalty never makes a NaN or -inf token win
+    else:
+        assert out.token_id == 0
