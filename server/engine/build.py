@@ -1,7 +1,7 @@
 """Build an engine from a model directory and a set of decode modules.
 
 >>> core = load_engine(model_dir, modules={"coder": coder_dir}, dtype="float32")
->>> {name: (m.kind.value, m.shares_prefill) for name, m in core.modules.items()}
+>>> {name: (m.kind, m.shares_prefill) for name, m in core.modules.items()}
 {'base': ('base', True), 'coder': ('lora', True)}
 """
 
@@ -17,7 +17,7 @@ from server.engine.forward import LlamaForward
 from server.engine.numerics import dtype_name, resolve_dtype, set_threads
 from server.kv.family import family_digest
 from server.models.loader import load_model
-from server.modules.registry import base_module, load_module
+from server.engine.modules import base_module, load_module
 
 
 def load_engine(

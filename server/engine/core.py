@@ -1,20 +1,18 @@
-"""The engine core: admission, continuous batching and sampling over one shared KV pool.
+"""The engine core: one KV pool, one step loop over the scheduler, the runner and the output.
 
 Synchronous and loop-free: ``add_request`` queues, ``step`` runs one forward step of every
 running request and returns their new tokens. ``AsyncEngine`` drives it from a thread.
 
 One step::
 
-    admit waiting requests (FIFO) while the pool can reserve prompt + max_tokens for them:
-        match the prompt's cached chain (shared blocks of the family, the module's own blocks)
-        register the blocks it will compute, so later arrivals wait for them (one prefill)
-    schedule: one token per decoding request, then prefill chunks within max_step_tokens
-    run: one forward for the base and every LoRA module (per-row deltas from the IP on),
-         one per full module (its rows at or after the IP); shared prefixes read once
-    sample the requests whose prompt is done; stream tokens; finish on stop/length
+    scheduler.admit      waiting requests (FIFO) whose prompt + max_tokens fit the pool
+    scheduler.schedule   one token per decoding request, then prefill chunks in budget
+    runner.run           one forward for the base and every LoRA module, one per full module
+    scheduler.computed   commit the blocks now written (later arrivals read them)
+    output.sample/emit   the next token of every request whose prompt is done; stop rules
 
-Who computes a position is decided here, once (DESIGN §2): positions < IP by the base,
-positions >= IP by the module; a module without a family manifest has IP 0 (private prefill).
+Who computes a position, and under which keys, is ``server/positions.py``'s rule, applied
+once per request at ``add_request``.
 
 Failures stay with their request: a request that raises while being admitted, in the forward
 (the step is re-run one request at a time to find which), in the logits hook, the sampler or
@@ -34,22 +32,22 @@ from dataclasses import dataclass
 
 import torch
 
-from server.engine.batch import Chunk, SharedPrefix, plan_step
+from server import positions
 from server.engine.detokenize import Decoder, TextStream
 from server.engine.errors import InvalidRequest, Overloaded, PromptTooLong, UnknownModule
 from server.engine.forward import LlamaForward
-from server.engine.projection import LowRank, Projection, RowDeltaProjection
-from server.engine.sampling import Sampled, SamplingParams, sample
+from server.engine.modules import DecodeModule
+from server.engine.output import OutputProcessor
+from server.engine.runner import ModelRunner
+from server.engine.sampling import SamplingParams
+from server.engine.scheduler import Scheduler, WorkItem
 from server.engine.sequence import FinishReason, Phase, Sequence, TokenEvent
-from server.kv.keys import Layout, Namespace
-from server.kv.pool import BlockPool, BlockState, Pin, PrefixMatch
+from server.kv.keys import Layout
+from server.kv.pool import BlockPool, Pin, PrefixMatch
 from server.kv.storage import KVStorage
-from server.modules.manifest import ModuleKind
-from server.modules.registry import DecodeModule
 from server.prompt import Prompt
 
 log = logging.getLogger("agentshare.engine")
-WorkItem = tuple[Sequence, int, int]  # a request, its first position in this step, how many
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,31 +110,48 @@ class EngineCore:
     ) -> None:
         """``logits_hook(request_id, logits)`` sees every row of logits a request samples from
         (evaluation and tests; off the hot path when None)."""
-        self.forward, self.tokenizer, self.family, self.config = forward, tokenizer, family, config
-        self.logits_hook = logits_hook
+        self.tokenizer, self.family, self.config = tokenizer, family, config
         self.modules = dict(modules)
         self._base_name = next((n for n, m in self.modules.items() if m.is_base), "")
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVStorage.from_budget(
             forward.kv_spec(), budget_bytes=config.kv_cache_bytes, block_size=config.block_size
         )
         self.pool = BlockPool(self.kv.num_blocks, config.block_size, bytes_per_block=self.kv.bytes_per_block)
         self.max_context = forward.weights.shape.max_context
         self.stats = EngineStats()
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.contexts: dict[str, Pin] = {}  # pinned shared contexts by id
-        self._lora_index: dict[str, int] = {}
-        self._deltas: dict[tuple[int, int, str], list[LowRank]] = {}
-        self._full: dict[str, LlamaForward] = {}
-        for name, m in self.modules.items():
-            if m.kind is ModuleKind.LORA:
-                idx = self._lora_index.setdefault(name, len(self._lora_index))
-                for (layer, proj), updates in m.deltas.items():
-                    self._deltas[(idx, layer, proj)] = updates
-            elif m.kind is ModuleKind.FULL:
-                assert m.weights is not None
-                self._full[name] = LlamaForward(m.weights, forward.rope)
+        self.scheduler = Scheduler(self.pool, self.kv, config, self.stats)
+        self.runner = ModelRunner(forward, self.kv, self.modules, block_size=config.block_size, stats=self.stats)
+        self.output = OutputProcessor(eos_token_ids, logits_hook)
+
+    @property
+    def forward(self) -> LlamaForward:
+        """The base model's forward (the runner's; replace it to observe the base's calls)."""
+        return self.runner.forward
+
+    @forward.setter
+    def forward(self, forward: LlamaForward) -> None:
+        self.runner.forward = forward
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.output.eos_token_ids
+
+    @property
+    def logits_hook(self) -> Callable[[str, torch.Tensor], None] | None:
+        return self.output.logits_hook
+
+    @logits_hook.setter
+    def logits_hook(self, hook: Callable[[str, torch.Tensor], None] | None) -> None:
+        self.output.logits_hook = hook
 
     @property
     def base_name(self) -> str:
@@ -175,9 +190,12 @@ class EngineCore:
         if len(self.waiting) >= self.config.max_waiting:
             raise Overloaded(f"{len(self.waiting)} requests are already waiting; retry later")
         ip, layout = self._layout(m, prompt, salt, prefix_codec)
-        self._refuse_if_pins_block(prompt, layout, capacity)
+        wait = self.scheduler.refuse_if_pins_block(prompt, layout, capacity)
+        if wait is not None:
+            raise Overloaded("pinned contexts fill the KV pool; release a context or retry after its TTL",
+                             retry_after=wait, reason="kv_pool_pinned")
         seq = Sequence(
-            request_id, m, self._lora_index.get(module, -1), prompt, ip, params, layout,
+            request_id, m, self.runner.module_index.get(module, -1), prompt, ip, params, layout,
             TextStream(self.tokenizer, params.stop), None if params.greedy else params.generator(),
             capacity,
         )
@@ -185,38 +203,13 @@ class EngineCore:
         self.stats.prompt_tokens += n
         return seq
 
-    def _refuse_if_pins_block(self, prompt: Prompt, layout: Layout, capacity: int) -> None:
-        """Refuse now (with the time until the first pin ends) a request that could only be
-        admitted once pinned contexts expire, rather than let it wait in the queue that long."""
-        pinned = self.pool.pinned_blocks()
-        if not pinned:
-            return
-        usable = set(self.pool.match(list(prompt.token_ids), layout).block_ids)
-        need = math.ceil(capacity / self.config.block_size) - len(usable)
-        if need > self.pool.capacity - len(pinned - usable):
-            deadline = self.pool.next_pin_deadline()
-            wait = max(0.0, (deadline or 0.0) - self.pool.clock())
-            raise Overloaded("pinned contexts fill the KV pool; release a context or retry after its TTL",
-                             retry_after=wait, reason="kv_pool_pinned")
-
     def _layout(
         self, m: DecodeModule, prompt: Prompt, salt: str, prefix_codec: str | None = None
     ) -> tuple[int, Layout]:
-        """The invocation point and block namespaces of a request: DESIGN §2 in one place."""
-        n = len(prompt.token_ids)
-        if m.is_base:
-            ip = n
-        elif m.shares_prefill:
-            ip = prompt.invocation_point(m.placement)
-        else:
-            ip = 0  # private prefill: the module computes everything itself
-        fam = self.family if self.config.share_prefill else f"{self.family}/{m.name}"
-        family_ns = Namespace.family(fam, salt=salt)
-        if prefix_codec is not None and ip > 0:
-            family_ns = family_ns.lossy(prefix_codec)
-        if m.is_base:
-            return ip, Layout(family_ns)
-        return ip, Layout(family_ns, Namespace.module(m.digest, invocation_point=ip, salt=salt))
+        """The invocation point and block namespaces of a request (``server/positions.py``)."""
+        ip = positions.invocation_point(prompt, m)
+        return ip, positions.layout(m, ip, family=self.family, salt=salt, prefix_codec=prefix_codec,
+                                    share_prefill=self.config.share_prefill)
 
     def prefix_layout(self, *, salt: str = "", prefix_codec: str | None = None) -> Layout:
         """The layout of the family's shared blocks (positions before any module's IP): what a
@@ -267,7 +260,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -280,12 +273,12 @@ class EngineCore:
 
     def step(self) -> list[TokenEvent]:
         self.expire()
-        events = self._admit()
-        self._resolve_pending()
+        events = self.scheduler.admit(self._fail)
+        self.scheduler.resolve_pending()
         for seq in [s for s in self.running if s.pin_ttl is not None and not s.pending
                     and s.num_computed == len(s.tokens)]:
-            events.append(self._alone(seq, self._pin_context))  # found whole in the cache: nothing to compute
-        work = self._schedule()
+            events.append(self._pin_alone(seq))  # found whole in the cache: nothing to compute
+        work = self.scheduler.schedule()
         if not work:
             return events
         self.stats.steps += 1
@@ -295,32 +288,28 @@ class EngineCore:
         self.stats.observe_step(sum(n for _, _, n in work),
                                 sum(n for seq, _, n in work if seq.phase is Phase.PREFILL),
                                 time.perf_counter() - started)
-        sampled_seqs, rows = [], []
         for (seq, start, n), row in done:
-            try:
-                seq.num_computed = start + n
-                self._commit_blocks(seq)
-                if seq.num_computed == len(seq.tokens) and seq.pin_ttl is not None:
-                    events.append(self._pin_context(seq))
-                elif seq.num_computed == len(seq.tokens):  # prompt done, or a decode step
-                    if self.logits_hook is not None:
-                        self.logits_hook(seq.request_id, row)
-                    sampled_seqs.append(seq)
-                    rows.append(row)
-            except Exception as exc:
-                events.append(self._fail(seq, exc))
-        for seq, out in zip(sampled_seqs, self._sample(sampled_seqs, rows), strict=True):
-            if isinstance(out, Exception):
-                events.append(self._fail(seq, out))
-            else:
-                events.append(self._alone(seq, lambda s, o=out: self._emit(s, o.token_id, o.logprob, o.top_logprobs)))
+            event = self._alone(seq, lambda s, upto=start + n, r=row: self._advance(s, upto, r))
+            if event is not None:
+                events.append(event)
         return events
+
+    def _advance(self, seq: Sequence, upto: int, row: torch.Tensor) -> TokenEvent | None:
+        """After the forward: commit what ``seq`` computed; pin a context whose prompt is done,
+        or sample and emit the next token of a request whose prompt is."""
+        self.scheduler.computed(seq, upto)
+        if seq.num_computed < len(seq.tokens):
+            return None  # a prefill chunk: more of the prompt to come
+        if seq.pin_ttl is not None:
+            return self._pin_context(seq)
+        seq.phase = Phase.DECODE
+        return self.output.emit(seq, self.output.sample(seq, row), self._finish)
 
     def _forward(self, work: list[WorkItem]) -> tuple[list[tuple[WorkItem, torch.Tensor]], list[tuple[Sequence, Exception]]]:
         """Run the step; if it raises, run each request alone (rewriting only its own, not yet
         committed, positions) so that only the ones that fail by themselves fail."""
         try:
-            return list(zip(work, self._run(work), strict=True)), []
+            return list(zip(work, self.runner.run(work), strict=True)), []
         except Exception as exc:
             if len(work) == 1:
                 return [], [(work[0][0], exc)]
@@ -328,25 +317,20 @@ class EngineCore:
         failed: list[tuple[Sequence, Exception]] = []
         for item in work:
             try:
-                done.append((item, self._run([item])[0]))
+                done.append((item, self.runner.run([item])[0]))
             except Exception as exc:
                 failed.append((item[0], exc))
         return done, failed
 
-    def _sample(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> list[Sampled | Exception]:
-        """One row at a time, so a row that raises fails its request only (each request draws from
-        its own generator: the batch never changed its tokens anyway)."""
-        outs: list[Sampled | Exception] = []
-        for seq, row in zip(seqs, rows, strict=True):
-            try:
-                outs.append(sample(row[None], [seq.params], [seq.generator], [_forced(seq)])[0])
-            except Exception as exc:
-                outs.append(exc)
-        return outs
-
-    def _alone(self, seq: Sequence, fn: Callable[[Sequence], TokenEvent]) -> TokenEvent:
+    def _alone(self, seq: Sequence, fn: Callable[[Sequence], TokenEvent | None]) -> TokenEvent | None:
         try:
             return fn(seq)
+        except Exception as exc:
+            return self._fail(seq, exc)
+
+    def _pin_alone(self, seq: Sequence) -> TokenEvent:
+        try:
+            return self._pin_context(seq)
         except Exception as exc:
             return self._fail(seq, exc)
 
@@ -356,15 +340,11 @@ class EngineCore:
         error = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
         log.error("a request failed inside the engine", exc_info=None if isinstance(exc, str) else exc,
                   extra={"event": "request_failed", "request": seq.request_id, "error": error})
-        if seq.phase is Phase.WAITING and seq.blocks:  # it failed half-way through admission
-            self._drop_blocks(seq)
         try:
             return self._finish(seq, FinishReason.ERROR, error=error)
         except Exception:  # its books are broken: forget it anyway, never fail the others
             log.exception("could not free a failed request", extra={"event": "request_leaked", "request": seq.request_id})
-            for queue in (self.waiting, self.running):
-                if seq in queue:
-                    queue.remove(seq)
+            self.scheduler.forget(seq)
             seq.phase, seq.finish_reason = Phase.FINISHED, FinishReason.ERROR
             return TokenEvent(seq.request_id, None, "", finish_reason=FinishReason.ERROR, error=error)
 
@@ -372,157 +352,7 @@ class EngineCore:
         """End every request with ``error`` (the step itself broke: nothing tells whose fault)."""
         return [self._fail(seq, error) for seq in [*self.waiting, *self.running]]
 
-    def _admit(self) -> list[TokenEvent]:
-        failed: list[TokenEvent] = []
-        while self.waiting and len(self.running) < self.config.max_running:
-            seq = self.waiting[0]
-            try:
-                if not self._reserve(seq):
-                    break  # FIFO: wait for memory to free up
-            except Exception as exc:
-                failed.append(self._fail(seq, exc))
-                continue
-            self.waiting.popleft()
-            self.running.append(seq)
-        return failed
-
-    def _reserve(self, seq: Sequence) -> bool:
-        prompt, bs = list(seq.prompt.token_ids), self.config.block_size
-        match = self.pool.match(prompt, seq.layout)
-        if match.num_cached_tokens >= len(prompt) and seq.pin_ttl is None:  # sample from a computed row
-            ids = match.block_ids[:-1]
-            match = PrefixMatch(match.keys, ids, tuple(b for b in match.pending if b in ids), bs)
-        need = math.ceil(seq.capacity / bs) - len(match.block_ids)
-        if not self.pool.can_allocate(need):
-            return False
-        self.pool.acquire(match, reader=seq.module.name)
-        fresh = self.pool.allocate(need, contiguous=True)
-        self.pool.register(match, fresh, prompt, seq.layout, computed_by=seq.module.name)
-        seq.blocks = [*match.block_ids, *fresh]
-        seq.slot_table = self.kv.slots(seq.blocks)[: seq.capacity]
-        limit, run = min(seq.prompt.context_len // bs, len(seq.blocks)), 0
-        while run < limit and (run == 0 or seq.blocks[run] == seq.blocks[run - 1] + 1):
-            run += 1
-        seq.prefix_blocks = run
-        seq.match, seq.pending = match, match.pending
-        seq.num_computed = seq.cached_tokens = match.num_cached_tokens
-        seq.num_committed_blocks = len(match.block_ids)
-        seq.phase = Phase.PREFILL
-        self.stats.cached_prompt_tokens += seq.cached_tokens
-        return True
-
-    def _resolve_pending(self) -> None:
-        for seq in [s for s in self.running if s.pending]:
-            states = {self.pool.block(b).state for b in seq.pending}
-            if states <= {BlockState.READY}:
-                seq.pending = ()
-            elif not states <= {BlockState.READY, BlockState.COMPUTING}:
-                self._replan(seq)  # its producer gave up: start over from a fresh match
-
-    def _replan(self, seq: Sequence) -> None:
-        self._drop_blocks(seq)
-        self.running.remove(seq)
-        self.stats.cached_prompt_tokens -= seq.cached_tokens
-        seq.phase, seq.pending, seq.num_computed, seq.cached_tokens = Phase.WAITING, (), 0, 0
-        self.waiting.appendleft(seq)
-        self.stats.replans += 1
-
-    def _schedule(self) -> list[WorkItem]:
-        work: list[WorkItem] = []
-        budget = self.config.max_step_tokens
-        for seq in self.running:
-            if seq.phase is Phase.DECODE:
-                work.append((seq, len(seq.tokens) - 1, 1))
-                budget -= 1
-        for seq in self.running:
-            if seq.phase is not Phase.PREFILL or seq.pending or budget <= 0:
-                continue
-            start = seq.num_computed
-            n = min(budget, seq.prompt_len - start)
-            if seq.module.kind is ModuleKind.FULL and start < seq.invocation_point:
-                n = min(n, seq.invocation_point - start)  # base rows and module rows run apart
-            work.append((seq, start, n))
-            budget -= n
-        return work
-
-    def _run(self, work: list[WorkItem]) -> list[torch.Tensor]:
-        """Logits of the last row of each work item, in order."""
-        calls: dict[str | None, list[int]] = {}
-        for i, (seq, start, _) in enumerate(work):
-            full = seq.module.kind is ModuleKind.FULL and start >= seq.invocation_point
-            calls.setdefault(seq.module.name if full else None, []).append(i)
-        out: list[torch.Tensor | None] = [None] * len(work)
-        for name, idx in calls.items():
-            items = [work[i] for i in idx]
-            plan = plan_step([self._chunk(*it) for it in items], block_size=self.config.block_size)
-            fwd = self.forward if name is None else self._full[name]
-            logits = fwd(plan, self.kv, projection=self._projection(items) if name is None else None)
-            for i, row in zip(idx, logits, strict=True):
-                out[i] = row
-            self._count_rows(items, base_call=name is None)
-        return out  # type: ignore[return-value]
-
-    def _chunk(self, seq: Sequence, start: int, n: int) -> Chunk:
-        bs = self.config.block_size
-        # The shared prefix: leading consecutive blocks of the shared context, already written.
-        # Every agent of one context gets the same one, so the batch reads it once.
-        run = min(seq.prefix_blocks, start // bs)
-        prefix = SharedPrefix(seq.blocks[0], run * bs) if run else None
-        assert seq.slot_table is not None
-        return Chunk(seq.tokens[start : start + n], start, seq.slot_table[run * bs : start + n], prefix)
-
-    def _projection(self, items: list[tuple[Sequence, int, int]]) -> Projection | None:
-        if not any(seq.module_index >= 0 for seq, _, _ in items):
-            return None
-        rows = []
-        for seq, start, n in items:
-            pos = torch.arange(start, start + n)
-            rows.append(torch.where(pos >= seq.invocation_point, seq.module_index, -1) if seq.module_index >= 0
-                        else torch.full((n,), -1))
-        return RowDeltaProjection(torch.cat(rows), self._deltas)
-
-    def _count_rows(self, items: list[tuple[Sequence, int, int]], *, base_call: bool) -> None:
-        for seq, start, n in items:
-            if not base_call:
-                module = n  # a full module's own call
-            elif seq.module_index >= 0:  # LoRA rows from the IP on
-                module = max(0, start + n - max(start, seq.invocation_point))
-            else:
-                module = 0
-            self.stats.module_rows += module
-            self.stats.base_rows += n - module
-            if seq.phase is Phase.PREFILL:
-                self.stats.prefill_tokens += n
-            else:
-                self.stats.decode_tokens += n
-
-    def _commit_blocks(self, seq: Sequence) -> None:
-        full = min(seq.num_computed // self.config.block_size, len(seq.blocks))
-        if full > seq.num_committed_blocks:
-            self.pool.commit(seq.blocks[seq.num_committed_blocks : full])
-            seq.num_committed_blocks = full
-
-    # ---- output ----------------------------------------------------------------------------
-
-    def _emit(self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]]) -> TokenEvent:
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        seq.phase = Phase.DECODE
-        seq.tokens.append(token)
-        p = seq.params
-        reason = None
-        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            reason, text = FinishReason.STOP, seq.text.finish()
-        else:
-            text = seq.text.push(token)
-            if seq.text.stopped:
-                reason = FinishReason.STOP
-            elif seq.num_generated >= p.max_tokens or len(seq.tokens) >= seq.capacity:
-                reason, text = FinishReason.LENGTH, text + seq.text.finish()
-        if reason is None:
-            return TokenEvent(seq.request_id, token, text, logprob, top)
-        end = self._finish(seq, reason)
-        return TokenEvent(seq.request_id, token, text, logprob, top, reason, end.usage)
+    # ---- the end ---------------------------------------------------------------------------
 
     def _pin_context(self, seq: Sequence) -> TokenEvent:
         assert seq.pin_ttl is not None
@@ -531,24 +361,7 @@ class EngineCore:
         return self._finish(seq, FinishReason.PREFILLED)
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, error: str | None = None) -> TokenEvent:
-        if seq.phase is Phase.WAITING:
-            self.waiting.remove(seq)
-        elif seq.phase is not Phase.FINISHED:
-            self._drop_blocks(seq)
-            self.running.remove(seq)
+        self.scheduler.remove(seq)
         seq.phase, seq.finish_reason = Phase.FINISHED, reason
         self.stats.finished += 1
         return TokenEvent(seq.request_id, None, "", finish_reason=reason, usage=seq.usage(), error=error)
-
-    def _drop_blocks(self, seq: Sequence) -> None:
-        own = len(seq.match.block_ids) if seq.match else 0
-        for bid in seq.blocks[max(own, seq.num_committed_blocks) :]:
-            if self.pool.block(bid).state is BlockState.COMPUTING:
-                self.pool.abort(bid)  # never computed: whoever waits for it must compute it
-        self.pool.release(seq.blocks)
-        seq.blocks, seq.match = [], None
-
-
-def _forced(seq: Sequence) -> int | None:
-    forced = seq.params.forced_tokens
-    return forced[seq.num_generated] if seq.num_generated < len(forced) else None

@@ -22,7 +22,7 @@ from server.engine.detokenize import TextStream
 from server.engine.sampling import SamplingParams
 from server.kv.keys import Layout
 from server.kv.pool import PrefixMatch
-from server.modules.registry import DecodeModule
+from server.engine.modules import DecodeModule
 from server.prompt import Prompt
 
 

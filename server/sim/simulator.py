@@ -31,7 +31,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from server.kv.keys import Layout, Namespace
+from server import positions
+from server.kv.keys import Layout
 from server.kv.pool import PrefixMatch
 from server.policy import (
     ClusterSnapshot,
@@ -114,7 +115,7 @@ class Simulator:
         self._requests: dict[int, SimRequest] = {}
         self._hold_d: dict[int, Holding] = {}
         self._hold_p: dict[int, tuple[int, Holding]] = {}
-        self._layouts: dict[tuple[str, str | None, int | None], Layout] = {}
+        self._layouts: dict[tuple[str | None, str, int | None], Layout] = {}
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -262,22 +263,16 @@ class Simulator:
         return min(len(match.block_ids) * self.config.block_tokens, req.input_tokens)
 
     def _layout(self, req: SimRequest) -> Layout:
-        """Namespaces per DESIGN §2; module-keyed throughout when sharing is off."""
-        c = self.config
-        if req.family != c.family:
-            key: tuple[str, str | None, int | None] = ("private", req.module, None)
-        elif not c.cross_module_sharing:
-            key = ("module-keyed", req.module, None)
-        else:
-            key = ("shared", req.module, req.ip_blocks)
+        """The request's block namespaces by the engine's own rule (``server/positions.py``):
+        module-keyed throughout when sharing is off, private for a foreign module."""
+        key = (req.family, req.module, req.ip_blocks)
         layout = self._layouts.get(key)
         if layout is None:
-            if key[0] == "shared":
-                fam = Namespace.family(c.family)
-                ip = req.ip_blocks
-                mod = None if ip is None else Namespace.module(req.module, invocation_point=ip)
-                layout = Layout(fam, mod)
-            else:
-                layout = Layout(Namespace.family(f"{key[0]}/{req.module}"))
+            c = self.config
+            ours = req.family == c.family
+            facts = positions.Facts(req.module, req.module, is_base=ours and req.ip_blocks is None,
+                                    shares_prefill=ours)
+            ip = req.ip_blocks if ours and req.ip_blocks is not None else 0
+            layout = positions.layout(facts, ip, family=c.family, share_prefill=c.cross_module_sharing)
             self._layouts[key] = layout
         return layout

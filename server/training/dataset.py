@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from server import positions
 from server.prompt import Placement, chat_prompt
 
 REQUIRED = ("context", "instruction", "response")
@@ -153,6 +154,7 @@ def encode(examples: Sequence[Example], tokenizer: Any, *, placement: Placement 
            max_length: int = 2048, with_response: bool = True) -> list[Encoded]:
     """Lay out each example canonically; the response ends with the tokenizer's EOS token."""
     eos = tokenizer.eos_token_id
+    module = positions.Facts("trained", shares_prefill=True, placement=placement)  # it joins the family
     out = []
     for ex in examples:
         prompt = prompt_of(tokenizer, ex)
@@ -163,7 +165,7 @@ def encode(examples: Sequence[Example], tokenizer: Any, *, placement: Placement 
         if len(ids) > max_length:
             raise DataError(f"{ex.where}: the example is {len(ids)} tokens long, over the limit "
                             f"of {max_length} (max_length); shorten its context or raise the limit")
-        out.append(Encoded(tuple(ids), prompt.invocation_point(placement), start, ex.where))
+        out.append(Encoded(tuple(ids), positions.invocation_point(prompt, module), start, ex.where))
     return out
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from server.engine import core as core_module
+from server.engine import output as output_module
 from server.engine.async_engine import AsyncEngine
 from server.engine.build import load_engine
 from server.engine.core import EngineConfig, EngineCore
@@ -72,23 +72,23 @@ def test_a_request_that_raises_in_the_step_fails_alone(where, core, smollm2_toke
         raise RuntimeError(f"injected in the {where}")
 
     if where == "sampler":
-        real = core_module.sample
+        real = output_module.sample
 
         def sample(logits, params, *args, **kw):
             if any(q.seed == 4242 for q in params):
                 boom()
             return real(logits, params, *args, **kw)
 
-        monkeypatch.setattr(core_module, "sample", sample)
+        monkeypatch.setattr(output_module, "sample", sample)
     elif where == "logits_hook":
         core.logits_hook = lambda rid, row: boom() if rid == "bad" else None
     elif where == "forward":
-        real_run = core._run
-        monkeypatch.setattr(core, "_run", lambda work: boom() if any(s.request_id == "bad" for s, _, _ in work)
+        real_run = core.runner.run
+        monkeypatch.setattr(core.runner, "run", lambda work: boom() if any(s.request_id == "bad" for s, _, _ in work)
                             else real_run(work))
     else:
-        real_reserve = core._reserve
-        monkeypatch.setattr(core, "_reserve", lambda seq: boom() if seq.request_id == "bad" else real_reserve(seq))
+        real_reserve = core.scheduler.reserve
+        monkeypatch.setattr(core.scheduler, "reserve", lambda seq: boom() if seq.request_id == "bad" else real_reserve(seq))
     core.add_request("bad", "base", p, marker)
     core.add_request("good", "base", other, GOOD)
     out = run_all(core)

@@ -7,7 +7,8 @@ import torch
 
 from server.engine.weights import ModelShape
 from server.modules.manifest import Manifest, ModuleKind
-from server.modules.registry import ModuleLoadError, load_module
+from server.engine.modules import load_module
+from server.modules.registry import ModuleLoadError
 from server.prompt import Placement
 
 SHAPE = ModelShape("llama", 49152, 256, 3, 4, 2, 64, 1e-5, 4096)
@@ -19,7 +20,7 @@ def load(path, family):
 
 def test_a_manifest_naming_the_family_shares(make_lora, tiny_family):
     m = load(make_lora("share", placement=Placement.HEADER), tiny_family)
-    assert m.shares_prefill and m.kind is ModuleKind.LORA and m.placement is Placement.HEADER
+    assert m.shares_prefill and m.kind == ModuleKind.LORA and m.placement is Placement.HEADER
     assert set(name for _, name in m.deltas) == {"qkv", "o", "gate_up", "down"}
     q, k, v = (next(u for u in m.deltas[(0, "qkv")] if u.col == c) for c in (0, 256, 384))
     assert q.b.shape[0] == 256 and k.b.shape[0] == v.b.shape[0] == 128

@@ -11,7 +11,7 @@ from server.cli import app
 from server.engine.weights import ModelShape
 from server.kv.family import family_digest
 from server.modules.manifest import Manifest, ModuleKind
-from server.modules.registry import load_module
+from server.engine.modules import load_module
 from server.prompt import Placement
 from server.training import split as split_mod
 from server.training.dataset import write_jsonl

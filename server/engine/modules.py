@@ -1,0 +1,67 @@
+"""Decode modules as the engine serves them: identified (``server/modules``), then loaded by
+their kind (``server/engine/kinds``).
+
+>>> m = base_module("f" * 64)
+>>> m.name, m.kind, m.is_base, m.shares_prefill
+('base', 'base', True, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from server.engine.kinds import kind_of
+from server.engine.weights import ModelShape
+from server.modules.registry import identify
+from server.prompt import Placement
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DecodeModule:
+    """One servable decode module.
+
+    ``shares_prefill``: its positions before the IP are computed by the family's base and
+    shared. Otherwise it has a private prefill: IP 0, every position its own (see
+    ``server/positions.py``).
+    """
+
+    name: str
+    kind: str  # a registered kind (server/engine/kinds): "base", "lora", "full"
+    digest: str  # identity of the module's weights + manifest: its KV namespace owner
+    shares_prefill: bool
+    placement: Placement = Placement.TURN
+    weights: Any = None
+    """What its kind loaded: LoRA deltas by (layer, projection), a full model's weights, or
+    None for the base."""
+    reason: str = ""  # why a module does or does not share (for logs and /v1/agents)
+
+    @property
+    def is_base(self) -> bool:
+        return self.kind == "base"
+
+    @property
+    def deltas(self) -> Any:
+        """A LoRA module's low-rank updates by (layer, fused projection)."""
+        return self.weights if self.kind == "lora" else {}
+
+
+def base_module(family: str, name: str = "base") -> DecodeModule:
+    """The base model as a decode module: shares everything, computes everything with the base."""
+    return DecodeModule(name, "base", family, shares_prefill=True, reason="the base")
+
+
+def load_module(
+    path: Path | str, *, name: str, family: str, shape: ModelShape, dtype: torch.dtype
+) -> DecodeModule:
+    """Load the module in ``path`` for serving beside a base of ``family`` with ``shape``."""
+    found = identify(path, name=name, family=family)
+    if found.kind == "base":
+        return DecodeModule(name, "base", family, True, found.placement, reason="the base")
+    kind = kind_of(found.kind)
+    weights = kind.load(Path(path), name=name, shape=shape, dtype=dtype)
+    return DecodeModule(name, kind.name, found.digest, found.shares_prefill, found.placement,
+                        weights=weights, reason=found.reason)

@@ -1,0 +1,66 @@
+"""Output: from a request's row of logits to its next token, its text, and whether it ends.
+
+::
+
+    logits row ──▶ logits hook (tests, evaluation) ──▶ sample (its own generator, its penalties
+               over its prompt and output, or a forced token) ──▶ stop token / EOS / stop
+               string / max_tokens / the reserved capacity ──▶ TokenEvent (and the end)
+
+One row at a time: a row that raises fails its request only (each request draws from its own
+generator, so batching never changed its tokens anyway).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from server.engine.sampling import Sampled, sample
+from server.engine.sequence import FinishReason, Sequence, TokenEvent
+
+
+class OutputProcessor:
+    """Samples rows and turns each token into the request's :class:`TokenEvent`."""
+
+    def __init__(
+        self, eos_token_ids: Iterable[int], logits_hook: Callable[[str, torch.Tensor], None] | None = None
+    ) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.logits_hook = logits_hook
+
+    def sample(self, seq: Sequence, row: torch.Tensor) -> Sampled:
+        """The next token of ``seq`` from its row of logits (raises on a failure of its own)."""
+        if self.logits_hook is not None:
+            self.logits_hook(seq.request_id, row)
+        p, n = seq.params, seq.prompt_len
+        penalized = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        history = [(seq.tokens[:n], seq.tokens[n:])] if penalized else None
+        return sample(row[None], [seq.params], [seq.generator], [_forced(seq)], tokens=history)[0]
+
+    def emit(self, seq: Sequence, out: Sampled, finish: Callable[[Sequence, FinishReason], TokenEvent]) -> TokenEvent:
+        """Append the sampled token; ``finish`` ends the request when a stop rule fires."""
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        seq.tokens.append(out.token_id)
+        p = seq.params
+        reason = None
+        if out.token_id in p.stop_token_ids or (out.token_id in self.eos_token_ids and not p.ignore_eos):
+            reason, text = FinishReason.STOP, seq.text.finish()
+        else:
+            text = seq.text.push(out.token_id)
+            if seq.text.stopped:
+                reason = FinishReason.STOP
+            elif seq.num_generated >= p.max_tokens or len(seq.tokens) >= seq.capacity:
+                reason, text = FinishReason.LENGTH, text + seq.text.finish()
+        event = TokenEvent(seq.request_id, out.token_id, text, out.logprob, out.top_logprobs)
+        if reason is None:
+            return event
+        end = finish(seq, reason)
+        return TokenEvent(seq.request_id, out.token_id, text, out.logprob, out.top_logprobs, reason, end.usage)
+
+
+def _forced(seq: Sequence) -> int | None:
+    forced = seq.params.forced_tokens
+    return forced[seq.num_generated] if seq.num_generated < len(forced) else None

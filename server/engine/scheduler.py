@@ -1,0 +1,182 @@
+"""The scheduler: which requests run, which of their positions each step computes, and their KV.
+
+It owns the queues and the KV reservations; it never runs the model::
+
+    waiting (FIFO) ──admit──▶ running ──schedule──▶ work items (request, first position, count)
+       │                        │
+       │  admission reserves prompt + max_tokens blocks at once: the request's cached chain
+       │  (shared blocks of the family, the module's own) plus fresh blocks it registers as
+       │  computing, so later arrivals with the same prefix wait for them (one prefill)
+       │
+       └── re-plan: a block it waited for was abandoned; start over from a fresh match
+
+Per step: one token for every decoding request first, then prefill chunks in arrival order
+within ``max_step_tokens`` (chunked prefill). A module whose rows run in their own forward
+(a full fine-tune) has its chunk cut at the invocation point, so base rows and module rows never
+share a chunk. No request is preempted: admission reserves all it will need.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from server.engine.kinds import kind_of
+from server.engine.sequence import Phase, Sequence
+from server.kv.keys import Layout
+from server.kv.pool import BlockPool, BlockState, PrefixMatch
+from server.kv.storage import KVStorage
+from server.prompt import Prompt
+
+if TYPE_CHECKING:
+    from server.engine.core import EngineConfig, EngineStats
+
+T = TypeVar("T")
+WorkItem = tuple[Sequence, int, int]
+"""A request, its first position in this step, how many positions."""
+
+
+class Scheduler:
+    """Admission, step budgets and chunking over one :class:`BlockPool`."""
+
+    def __init__(self, pool: BlockPool, kv: KVStorage, config: EngineConfig, stats: EngineStats) -> None:
+        self.pool, self.kv, self.config, self.stats = pool, kv, config, stats
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def refuse_if_pins_block(self, prompt: Prompt, layout: Layout, capacity: int) -> float | None:
+        """Seconds until the first pin ends, if ``prompt`` could only be admitted once pinned
+        contexts expire (the caller refuses it now rather than queue it that long); else None."""
+        pinned = self.pool.pinned_blocks()
+        if not pinned:
+            return None
+        usable = set(self.pool.match(list(prompt.token_ids), layout).block_ids)
+        need = math.ceil(capacity / self.config.block_size) - len(usable)
+        if need <= self.pool.capacity - len(pinned - usable):
+            return None
+        deadline = self.pool.next_pin_deadline()
+        return max(0.0, (deadline or 0.0) - self.pool.clock())
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def admit(self, fail: Callable[[Sequence, Exception], T]) -> list[T]:
+        """Move waiting requests to running, FIFO, while their KV fits. A request that raises
+        while being admitted goes to ``fail`` (which must end it) and admission goes on."""
+        failed: list[T] = []
+        while self.waiting and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            try:
+                if not self.reserve(seq):
+                    break  # FIFO: wait for memory to free up
+            except Exception as exc:
+                failed.append(fail(seq, exc))
+                continue
+            self.waiting.popleft()
+            self.running.append(seq)
+        return failed
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Reserve ``seq``'s blocks (its cached chain plus fresh ones); False if they do not fit."""
+        prompt, bs = list(seq.prompt.token_ids), self.config.block_size
+        match = self.pool.match(prompt, seq.layout)
+        if match.num_cached_tokens >= len(prompt) and seq.pin_ttl is None:  # sample from a computed row
+            ids = match.block_ids[:-1]
+            match = PrefixMatch(match.keys, ids, tuple(b for b in match.pending if b in ids), bs)
+        need = math.ceil(seq.capacity / bs) - len(match.block_ids)
+        if not self.pool.can_allocate(need):
+            return False
+        self.pool.acquire(match, reader=seq.module.name)
+        fresh = self.pool.allocate(need, contiguous=True)
+        self.pool.register(match, fresh, prompt, seq.layout, computed_by=seq.module.name)
+        seq.blocks = [*match.block_ids, *fresh]
+        seq.slot_table = self.kv.slots(seq.blocks)[: seq.capacity]
+        limit, run = min(seq.prompt.context_len // bs, len(seq.blocks)), 0
+        while run < limit and (run == 0 or seq.blocks[run] == seq.blocks[run - 1] + 1):
+            run += 1
+        seq.prefix_blocks = run
+        seq.match, seq.pending = match, match.pending
+        seq.num_computed = seq.cached_tokens = match.num_cached_tokens
+        seq.num_committed_blocks = len(match.block_ids)
+        seq.phase = Phase.PREFILL
+        self.stats.cached_prompt_tokens += seq.cached_tokens
+        return True
+
+    def resolve_pending(self) -> None:
+        """Requests whose awaited blocks are all ready may run; those whose producer gave up
+        re-plan."""
+        for seq in [s for s in self.running if s.pending]:
+            states = {self.pool.block(b).state for b in seq.pending}
+            if states <= {BlockState.READY}:
+                seq.pending = ()
+            elif not states <= {BlockState.READY, BlockState.COMPUTING}:
+                self.replan(seq)  # its producer gave up: start over from a fresh match
+
+    def replan(self, seq: Sequence) -> None:
+        self.drop_blocks(seq)
+        self.running.remove(seq)
+        self.stats.cached_prompt_tokens -= seq.cached_tokens
+        seq.phase, seq.pending, seq.num_computed, seq.cached_tokens = Phase.WAITING, (), 0, 0
+        self.waiting.appendleft(seq)
+        self.stats.replans += 1
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> list[WorkItem]:
+        """This step's work: one token per decoding request, then prefill chunks in budget."""
+        work: list[WorkItem] = []
+        budget = self.config.max_step_tokens
+        for seq in self.running:
+            if seq.phase is Phase.DECODE:
+                work.append((seq, len(seq.tokens) - 1, 1))
+                budget -= 1
+        for seq in self.running:
+            if seq.phase is not Phase.PREFILL or seq.pending or budget <= 0:
+                continue
+            start = seq.num_computed
+            n = min(budget, seq.prompt_len - start)
+            if kind_of(seq.module.kind).own_forward and start < seq.invocation_point:
+                n = min(n, seq.invocation_point - start)  # base rows and module rows run apart
+            work.append((seq, start, n))
+            budget -= n
+        return work
+
+    def computed(self, seq: Sequence, upto: int) -> None:
+        """Positions before ``upto`` are written: hand its full blocks to the pool as ready."""
+        seq.num_computed = upto
+        full = min(upto // self.config.block_size, len(seq.blocks))
+        if full > seq.num_committed_blocks:
+            self.pool.commit(seq.blocks[seq.num_committed_blocks : full])
+            seq.num_committed_blocks = full
+
+    # ---- the end ---------------------------------------------------------------------------
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of its queue and free its KV (blocks it never computed are aborted,
+        so whoever waits for them computes them)."""
+        if seq.phase is Phase.WAITING:
+            if seq.blocks:  # it failed half-way through admission
+                self.drop_blocks(seq)
+            self.waiting.remove(seq)
+        elif seq.phase is not Phase.FINISHED:
+            self.drop_blocks(seq)
+            self.running.remove(seq)
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop ``seq`` from the queues without touching the pool (its books are broken)."""
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+
+    def drop_blocks(self, seq: Sequence) -> None:
+        own = len(seq.match.block_ids) if seq.match else 0
+        for bid in seq.blocks[max(own, seq.num_committed_blocks) :]:
+            if self.pool.block(bid).state is BlockState.COMPUTING:
+                self.pool.abort(bid)  # never computed: whoever waits for it must compute it
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.match = [], None
