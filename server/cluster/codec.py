@@ -1,17 +1,16 @@
 """KV payloads: a run of consecutive blocks, every layer, as one checksummed frame.
 
-Payload sections, back to back, raw little-endian bytes (offsets and lengths in the header)::
+The payload is the codec's sections back to back, raw little-endian bytes (offsets and lengths
+in the header); the codecs themselves, by name, are in :mod:`server.cluster.codecs`::
 
     fp32, bf16   K [L, H, T, D] | V [L, H, T, D]                   T = num_blocks * block_size
     int8         K  int8 [L, H, T, D]      | V  int8 [L, H, T, D]
                  | K scales fp16 [L, H, num_blocks, D]   one per block and channel (KIVI's K)
                  | V scales fp16 [L, H, T]               one per token             (KIVI's V)
 
-int8 is quantised *per block*: a block's bytes never depend on which other blocks shared its
-frame, so a block that crossed the wire decodes the same whatever the chunking (its key in a
-lossy namespace stays meaningful). Quantisation is symmetric round-to-nearest over absmax/127;
-scales are stored as float16 rounded *up*, so ``|x - x̂| <= scale/2`` holds with the stored
-scale, and an all-zero group has scale 0 and decodes to zeros.
+This module checks the chunk and the header, lays the sections out, and carries the crc32;
+the codec writes and reads the sections. A codec is named by its registered name (a string;
+:class:`Codec` spells the built-in ones).
 
 >>> import torch
 >>> k = torch.randn(2, 2, 8, 4)          # 2 layers, 2 kv heads, 2 blocks of 4 tokens, head_dim 4
@@ -22,7 +21,7 @@ scale, and an all-zero group has scale 0 and decodes to zeros.
 >>> back = decode(frame, dtype=torch.float32)
 >>> torch.equal(back.k, k) and torch.equal(back.v, -k)
 True
->>> len(encode(chunk, Codec.INT8, block_size=4).payload)  # 2*128 codes + 32 K + 32 V fp16 scales
+>>> len(encode(chunk, "int8", block_size=4).payload)  # 2*128 codes + 32 K + 32 V fp16 scales
 384
 """
 
@@ -36,10 +35,10 @@ from typing import Any
 
 import torch
 
+from server.cluster import codecs
+from server.cluster.codecs import KVCodec, KVShape
 from server.cluster.errors import CorruptPayload, ProtocolError
 
-_FP16_MAX = torch.finfo(torch.float16).max
-_INT8_MAX = 127.0
 _SHAPE_FIELDS = (
     "first_block",
     "num_blocks",
@@ -51,30 +50,24 @@ _SHAPE_FIELDS = (
 
 
 class Codec(StrEnum):
-    """How a KV payload is encoded: raw fp32, raw bf16, or per-block int8 with fp16 scales."""
+    """The built-in codecs' names: raw fp32, raw bf16, per-block int8 with fp16 scales.
+
+    A member is its name (a ``str``): anything that takes a codec takes either. A codec added
+    to :mod:`server.cluster.codecs` is used by its name and needs no member here.
+    """
 
     FP32 = "fp32"
     BF16 = "bf16"
     INT8 = "int8"
 
 
-_WIRE_DTYPE = {Codec.FP32: torch.float32, Codec.BF16: torch.bfloat16}
-
-
-def is_lossy(codec: Codec, source: torch.dtype) -> bool:
+def is_lossy(codec: str, source: torch.dtype) -> bool:
     """Whether KV of dtype ``source`` can come back different after ``codec``.
 
     >>> [is_lossy(c, s) for c in Codec for s in (torch.float32, torch.bfloat16)]
     [False, False, True, False, True, True]
     """
-    codec = Codec(codec)
-    if codec is Codec.INT8:
-        return True
-    wire = _WIRE_DTYPE[codec]
-    # exact iff every value of the source dtype is representable in the wire dtype
-    return source != wire and not (
-        wire == torch.float32 and source in (torch.bfloat16, torch.float16)
-    )
+    return codecs.get(codec).is_lossy(source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,60 +94,23 @@ class Frame:
     payload: bytes | bytearray | memoryview = b""
 
 
-def _layout(
-    codec: Codec, layers: int, heads: int, blocks: int, block: int, dim: int
-) -> dict[str, list[int]]:
+def _layout(codec: KVCodec, shape: KVShape) -> dict[str, list[int]]:
     """Payload sections as ``{name: [offset, length]}``, in payload order."""
-    tokens = blocks * block
-    n = layers * heads * tokens * dim
-    if codec is Codec.INT8:
-        sizes = {
-            "k": n,
-            "v": n,
-            "k_scale": 2 * layers * heads * blocks * dim,
-            "v_scale": 2 * layers * heads * tokens,
-        }
-    else:
-        item = 4 if codec is Codec.FP32 else 2
-        sizes = {"k": n * item, "v": n * item}
     sections, offset = {}, 0
-    for name, size in sizes.items():
+    for name, size in codec.sections(shape).items():
         sections[name] = [offset, size]
         offset += size
     return sections
 
 
-def _section(
-    buf: torch.Tensor, span: list[int], dtype: torch.dtype, shape: tuple[int, ...]
-) -> torch.Tensor:
-    offset, length = span
-    return buf[offset : offset + length].view(dtype).view(shape)
+def _views(buf: torch.Tensor, sections: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    return {name: buf[offset : offset + length] for name, (offset, length) in sections.items()}
 
 
-def _round_up_fp16(scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` in float16, rounded up (so ``|x / s16| <= 127``), clamped to float16's range."""
-    s16 = scale.clamp(max=_FP16_MAX).to(torch.float16)
-    low = (s16.float() < scale) & (s16 < _FP16_MAX)
-    return torch.where(low, torch.nextafter(s16, torch.tensor(torch.inf, dtype=torch.float16)), s16)
-
-
-def _quantize(x: torch.Tensor, dim: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Symmetric int8 over absmax of ``dim``, written into ``codes`` and ``scales`` (keepdim)."""
-    x = x.float()
-    scale = x.abs().amax(dim=dim, keepdim=True).div_(_INT8_MAX)
-    if not bool(torch.isfinite(scale).all()):
-        raise ValueError("KV holds non-finite values (inf/NaN); int8 cannot encode them")
-    s16 = _round_up_fp16(scale)
-    scales.copy_(s16)
-    s = s16.float()
-    s = torch.where(s == 0, 1.0, s)  # an all-zero group: any divisor gives 0 codes, 0/0 gives NaN
-    # clamp: only values beyond float16's max scale saturate
-    codes.copy_(torch.div(x, s).round_().clamp_(-_INT8_MAX, _INT8_MAX))
-
-
-def encode(chunk: KVChunk, codec: Codec, *, block_size: int) -> Frame:
-    """Encode ``chunk`` (whole blocks of ``block_size`` tokens) as a ``kv`` frame."""
-    codec = Codec(codec)
+def encode(chunk: KVChunk, codec: str, *, block_size: int) -> Frame:
+    """Encode ``chunk`` (whole blocks of ``block_size`` tokens) as a ``kv`` frame of ``codec``
+    (a registered name; :class:`~server.cluster.codecs.UnknownCodec` otherwise)."""
+    impl = codecs.get(codec)
     k, v = chunk.k, chunk.v
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(
@@ -173,28 +129,11 @@ def encode(chunk: KVChunk, codec: Codec, *, block_size: int) -> Frame:
         raise ValueError(f"first_block must be >= 0, got {chunk.first_block}")
     assert sys.byteorder == "little", "payloads are little-endian raw tensor bytes"
     blocks = tokens // block_size
-    sections = _layout(codec, layers, heads, blocks, block_size, dim)
+    shape = KVShape(layers, heads, blocks, block_size, dim)
+    sections = _layout(impl, shape)
     payload = bytearray(sum(length for _, length in sections.values()))
     buf = torch.frombuffer(payload, dtype=torch.uint8)  # torch writes straight into the payload
-    k, v = k.cpu(), v.cpu()
-    if codec is Codec.INT8:
-        by_block = (layers, heads, blocks, block_size, dim)
-        _quantize(
-            k.reshape(by_block),
-            3,
-            _section(buf, sections["k"], torch.int8, by_block),
-            _section(buf, sections["k_scale"], torch.float16, (layers, heads, blocks, 1, dim)),
-        )
-        _quantize(
-            v,
-            3,
-            _section(buf, sections["v"], torch.int8, tuple(v.shape)),
-            _section(buf, sections["v_scale"], torch.float16, (layers, heads, tokens, 1)),
-        )
-    else:
-        wire = _WIRE_DTYPE[codec]
-        _section(buf, sections["k"], wire, tuple(k.shape)).copy_(k)  # casts and packs in one pass
-        _section(buf, sections["v"], wire, tuple(v.shape)).copy_(v)
+    impl.encode(k.cpu(), v.cpu(), shape, _views(buf, sections))
     header: dict[str, Any] = {
         "kind": "kv",
         "first_block": chunk.first_block,
@@ -203,7 +142,7 @@ def encode(chunk: KVChunk, codec: Codec, *, block_size: int) -> Frame:
         "num_layers": layers,
         "num_kv_heads": heads,
         "head_dim": dim,
-        "codec": codec.value,
+        "codec": impl.name,
         "sections": sections,
         "crc32": zlib.crc32(payload),
     }
@@ -217,6 +156,14 @@ def _int_field(header: dict[str, Any], name: str, minimum: int) -> int:
     if value < minimum:
         raise ProtocolError(f"kv header field {name!r} must be >= {minimum}, got {value}")
     return value
+
+
+def codec_of(header: dict[str, Any]) -> KVCodec:
+    """The registered codec a frame header names; :class:`ProtocolError` if it names none."""
+    try:
+        return codecs.get(header.get("codec"))
+    except codecs.UnknownCodec as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 def decode(frame: Frame, *, dtype: torch.dtype) -> KVChunk:
@@ -244,39 +191,25 @@ def decode(frame: Frame, *, dtype: torch.dtype) -> KVChunk:
     first, blocks, block, layers, heads, dim = (
         _int_field(header, name, 0 if name == "first_block" else 1) for name in _SHAPE_FIELDS
     )
-    name = header.get("codec")
-    if name not in tuple(Codec):
-        raise ProtocolError(f"unknown codec {name!r}; expected one of {', '.join(Codec)}")
-    codec = Codec(name)
-    sections = _layout(codec, layers, heads, blocks, block, dim)
-    shape = (
-        f"{codec} payload of {layers} layers x {heads} kv heads x {blocks}x{block} tokens x {dim}"
+    impl = codec_of(header)
+    shape = KVShape(layers, heads, blocks, block, dim)
+    sections = _layout(impl, shape)
+    what = (
+        f"{impl.name} payload of {layers} layers x {heads} kv heads x {blocks}x{block} tokens x "
+        f"{dim}"
     )
     if header.get("sections") != sections:
         raise ProtocolError(
-            f"kv header sections {header.get('sections')!r} do not match a {shape}: "
+            f"kv header sections {header.get('sections')!r} do not match a {what}: "
             f"expected {sections}"
         )
     expected = sum(length for _, length in sections.values())
     if len(payload) != expected:
-        raise ProtocolError(f"a {shape} has {expected} bytes, the frame carries {len(payload)}")
+        raise ProtocolError(f"a {what} has {expected} bytes, the frame carries {len(payload)}")
     if not dtype.is_floating_point:
         raise ValueError(f"decode into a floating dtype, got {dtype}")
     if payload.readonly:  # torch cannot view read-only memory without a warning: copy it once
         payload = memoryview(bytearray(payload))
     buf = torch.frombuffer(payload, dtype=torch.uint8)
-    tokens = blocks * block
-    full = (layers, heads, tokens, dim)
-    if codec is Codec.INT8:
-        by_block = (layers, heads, blocks, block, dim)
-        k_codes = _section(buf, sections["k"], torch.int8, by_block).float()
-        k_scale = _section(buf, sections["k_scale"], torch.float16, (layers, heads, blocks, 1, dim))
-        k = k_codes.mul_(k_scale.float()).reshape(full).to(dtype)
-        v_codes = _section(buf, sections["v"], torch.int8, full).float()
-        v_scale = _section(buf, sections["v_scale"], torch.float16, (layers, heads, tokens, 1))
-        v = v_codes.mul_(v_scale.float()).to(dtype)
-    else:
-        wire = _WIRE_DTYPE[codec]
-        k = _section(buf, sections["k"], wire, full).to(dtype, copy=True)  # never alias the payload
-        v = _section(buf, sections["v"], wire, full).to(dtype, copy=True)
+    k, v = impl.decode(_views(buf, sections), shape, dtype)
     return KVChunk(first_block=first, k=k, v=v)

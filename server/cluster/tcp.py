@@ -24,7 +24,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, ClassVar, Self
 
-from server.cluster.codec import Codec, Frame
+from server.cluster.codec import Frame
 from server.cluster.errors import (
     ProtocolError,
     TransferClosed,
@@ -50,7 +50,7 @@ class TCPSender:
         writer: asyncio.StreamWriter,
         *,
         transfer_id: str,
-        codec: Codec,
+        codec: str,
         address: str,
         timeout: float,
         key: bytes,
@@ -75,7 +75,7 @@ class TCPSender:
         port: int,
         transfer_id: str,
         *,
-        codec: Codec,
+        codec: str,
         timeout: float,
         key: bytes,
         meta: dict[str, Any] | None = None,
@@ -105,7 +105,7 @@ class TCPSender:
                 control(
                     "open",
                     transfer_id=transfer_id,
-                    codec=codec.value,
+                    codec=codec,
                     mode=cls.mode,
                     meta=meta or {},
                     **sender._open_fields(),

@@ -18,7 +18,7 @@ connection whose frame fails it is refused and counted (``KVReceiver.refused``).
                   └─ TransferRejected · TransferTimeout
 
 >>> import asyncio, torch
->>> from server.cluster.codec import KVChunk, decode, encode
+>>> from server.cluster.codec import Codec, KVChunk, decode, encode
 >>> class Keep:
 ...     async def on_open(self, transfer_id, header): self.blocks = 0
 ...     async def on_frame(self, transfer_id, frame):
@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from server.cluster.codec import Codec, Frame
+from server.cluster import codecs
+from server.cluster.codec import Frame, codec_of
 from server.cluster.errors import (
     CorruptPayload,
     ProtocolError,
@@ -115,13 +116,15 @@ async def open_sender(
     address: str,
     transfer_id: str,
     *,
-    codec: Codec,
+    codec: str,
     key: bytes,
     timeout: float = 10.0,
     meta: dict[str, Any] | None = None,
 ) -> KVSender:
     """Open a transfer to the receiver at ``tcp://host:port`` or ``shm://host:port``.
 
+    ``codec`` is a registered codec's name (:mod:`server.cluster.codecs`), the one every frame
+    sent must be encoded with.
     ``key`` is the cluster's KV key (the receiver's). ``timeout`` bounds the connect, each
     write and each awaited reply. ``meta`` (JSON-safe) reaches the receiver's ``on_open`` as
     ``header["meta"]``.
@@ -133,7 +136,8 @@ async def open_sender(
         )
     sender_cls = _SENDERS[parts.scheme]
     return await sender_cls.open(
-        parts.hostname, parts.port, transfer_id, codec=Codec(codec), timeout=timeout, key=key, meta=meta
+        parts.hostname, parts.port, transfer_id, codec=codecs.get(codec).name, timeout=timeout,
+        key=key, meta=meta,
     )
 
 
@@ -375,19 +379,17 @@ class _Connection:
             self.link.failures += 1
 
 
-def _check_open(header: dict[str, Any]) -> tuple[str, str, Codec]:
+def _check_open(header: dict[str, Any]) -> tuple[str, str, str]:
     if header.get("kind") != "open":
         raise ProtocolError(
             f"a transfer starts with an 'open' frame, got kind {header.get('kind')!r}"
         )
-    transfer_id, mode, codec = header.get("transfer_id"), header.get("mode"), header.get("codec")
+    transfer_id, mode = header.get("transfer_id"), header.get("mode")
     if not isinstance(transfer_id, str) or not transfer_id:
         raise ProtocolError(f"'open' needs a non-empty string transfer_id, got {transfer_id!r}")
     if mode not in _SENDERS:
         raise ProtocolError(f"'open' mode must be one of {', '.join(_SENDERS)}, got {mode!r}")
-    if codec not in tuple(Codec):
-        raise ProtocolError(f"unknown codec {codec!r}; expected one of {', '.join(Codec)}")
-    return transfer_id, mode, Codec(codec)
+    return transfer_id, mode, codec_of(header).name
 
 
 def _count(link: LinkStats, nbytes: int, seconds: float) -> None:

@@ -41,7 +41,8 @@ from server.api.errors import ApiError
 from server.api.metrics import EngineSnapshot
 from server.api.state import EngineFacts
 from server.cluster.auth import HEADER, ClusterSecret
-from server.cluster.codec import Codec, Frame, decode, encode, is_lossy
+from server.cluster import codecs
+from server.cluster.codec import Frame, decode, encode, is_lossy
 from server.cluster.errors import CorruptPayload, TransferError
 from server.cluster.handoff import Inbound, Outbound
 from server.cluster.messages import (
@@ -233,11 +234,11 @@ class Worker:
         inbound = self.inbound.get(transfer_id)
         if inbound is None:
             raise InvalidRequest(f"no transfer {transfer_id!r} is expected here (unknown, finished or timed out)")
-        codec = Codec(header.get("codec", "fp32"))
-        lossy = codec.value if is_lossy(codec, self.kv_dtype) else None
+        codec = codecs.get(header.get("codec", "fp32")).name
+        lossy = codec if is_lossy(codec, self.kv_dtype) else None
         if lossy != inbound.prefix_codec:
             raise InvalidRequest(f"transfer {transfer_id!r} was expected as {inbound.prefix_codec or 'exact'}, "
-                                 f"the sender uses {codec.value}")
+                                 f"the sender uses {codec}")
 
     async def on_frame(self, transfer_id: str, frame: Frame) -> None:
         inbound = self.inbound.get(transfer_id)
@@ -277,7 +278,7 @@ class Worker:
 
     async def prefill(self, body: Prefill) -> Prefilled:
         self._require("prefill")
-        codec = Codec(body.codec)
+        codec = codecs.get(body.codec).name
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         out = await self.engine.run(lambda core: Outbound.start(
