@@ -18,13 +18,14 @@ from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api import native_routes, openai_routes, ops_routes
-from server.api.backend import Backend, LocalBackend
 from server.api.config import ServerConfig
 from server.api.contexts import ContextStore
 from server.api.errors import install_error_handlers
+from server.api.local_backend import LocalBackend
 from server.api.metrics import Metrics
 from server.api.state import ServerState
 from server.api.tenancy import Tenancy
+from server.backend import Backend
 from server.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("agentshare.api")

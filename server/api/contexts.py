@@ -27,18 +27,16 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from agentshare.protocol import ChatMessage, ContextInfo
 from server.api.errors import ApiError, echo, from_engine, not_found, unprocessable
 from server.api.metrics import Metrics
 from server.api.prompts import context_tokens, joined_prompt, text_tokens
+from server.backend import Backend
 from server.engine.errors import Overloaded, PromptTooLong
 from server.engine.sequence import FinishReason, Usage
 from server.prompt import Prompt, chat_prompt
-
-if TYPE_CHECKING:
-    from server.api.backend import Backend
 
 
 @dataclass(slots=True)

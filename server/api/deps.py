@@ -8,8 +8,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from server.api.errors import echo, not_found
-from server.api.state import AgentCard, ServerState
+from server.api.state import ServerState
 from server.api.tenancy import Tenant
+from server.backend import AgentCard
 
 
 def server_state(request: Request) -> ServerState:

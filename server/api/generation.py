@@ -36,9 +36,9 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from server.api.backend import Backend, EventSource
 from server.api.errors import ApiError, from_engine
 from server.api.metrics import Metrics
+from server.backend import Backend, EventSource
 from server.engine.errors import Overloaded, PromptTooLong
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, TokenEvent

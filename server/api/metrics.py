@@ -20,53 +20,15 @@ True
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from server.engine.core import EngineCore
+from server.backend import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineSnapshot:
-    """The engine's counters and gauges at one instant (taken on the engine thread)."""
-
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    finished: int = 0
-    hit_blocks: int = 0
-    miss_blocks: int = 0
-    inflight_hit_blocks: int = 0
-    cross_module_hit_blocks: int = 0
-    evictions: int = 0
-    blocks_capacity: int = 0
-    blocks_free: int = 0
-    blocks_held: int = 0
-    blocks_evictable: int = 0
-    bytes_held: int = 0
-    waiting: int = 0
-    running: int = 0
-    contexts: int = 0
-
-    @classmethod
-    def of(cls, core: EngineCore) -> EngineSnapshot:
-        s, p, u = core.stats, core.pool.stats, core.pool.usage()
-        return cls(
-            prompt_tokens=s.prompt_tokens, cached_prompt_tokens=s.cached_prompt_tokens,
-            prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, finished=s.finished,
-            hit_blocks=p.hit_blocks, miss_blocks=p.miss_blocks, inflight_hit_blocks=p.inflight_hit_blocks,
-            cross_module_hit_blocks=p.cross_module_hit_blocks, evictions=p.evictions,
-            blocks_capacity=u.capacity, blocks_free=u.free, blocks_held=u.held,
-            blocks_evictable=u.evictable, bytes_held=u.bytes_held,
-            waiting=len(core.waiting), running=len(core.running), contexts=len(core.contexts),
-        )
 
 
 class _EngineCollector(Collector):

@@ -4,7 +4,7 @@
 
 >>> from multiprocessing import get_context
 >>> import httpx
->>> from agentshare.local_server import free_port
+>>> from server.process import free_port
 >>> config = ServerConfig(model_dir=model_dir, dtype="float32", port=free_port(), log_level="warning")
 >>> server = get_context("spawn").Process(target=serve, args=(config,))
 >>> server.start()

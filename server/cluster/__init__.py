@@ -3,7 +3,7 @@ KV moved between them (docs/cluster.md).
 
 ::
 
-    router (the API's Backend)                     prefill worker           decode worker
+    router (a server.backend.Backend)              prefill worker           decode worker
     place(request, snapshot) ── /internal/kv/expect ──────────────────────▶ Inbound: blocks COMPUTING
                              ── /internal/prefill ──▶ Outbound: add_context,
                                                       ship committed blocks ═▶ KVReceiver ─▶ write, commit
@@ -13,7 +13,7 @@ KV moved between them (docs/cluster.md).
     router.py     ClusterBackend: routing with server.policy, transfers, retries; RouterConfig
     members.py    Member (a worker as the router sees it), facts_of, check_worker
     stream.py     ClusterStream: a request's events, replaced before its first token if its worker dies
-    metrics.py    the router's Prometheus figures
+    metrics.py    RouterStats (what the router counts) and its Prometheus collector
     worker.py     Worker: a worker process's internal API (prefill or decode role), injected faults
     handoff.py    Outbound / Inbound: export and import KV blocks on the engine thread
     launch.py     LocalCluster, plan_workers, and the worker / router / serve --disaggregated entry points

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from server.api.state import AgentCard, EngineFacts
+from server.backend import AgentCard, EngineFacts
 from server.cluster.messages import WorkerInfo, WorkerStats
 from server.engine.errors import InvalidRequest
 

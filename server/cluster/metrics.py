@@ -1,15 +1,45 @@
-"""The router's own Prometheus figures, next to the engine counters summed over its workers."""
+"""The router's own figures (:class:`RouterStats`) and their Prometheus view, next to the engine
+counters summed over its workers.
+
+>>> from types import SimpleNamespace
+>>> router = SimpleNamespace(stats=RouterStats(retries=2), members=[])   # a RouterFigures
+>>> figures = {m.name: m for m in RouterCollector(router).collect()}
+>>> figures["agentshare_route_retries"].samples[0].value
+2
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections import Counter as Tally
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from server.cluster.router import ClusterBackend
+from server.cluster.members import Member
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """What the router counts: routing decisions, retries, failed transfers, membership changes."""
+
+    decisions: Tally[str] = field(default_factory=Tally)  # prefill reason -> requests
+    retries: int = 0
+    transfer_failures: int = 0
+    workers_down: int = 0
+    rejoined: int = 0
+
+
+class RouterFigures(Protocol):
+    """What the collector reads at scrape time (the :class:`~server.cluster.router.ClusterBackend`)."""
+
+    @property
+    def stats(self) -> RouterStats: ...
+
+    @property
+    def members(self) -> Sequence[Member]: ...
 
 
 class RouterCollector(Collector):
@@ -18,7 +48,7 @@ class RouterCollector(Collector):
     KV figures are the workers' own counters as of the last health check (at most
     ``health_interval`` old)."""
 
-    def __init__(self, backend: ClusterBackend) -> None:
+    def __init__(self, backend: RouterFigures) -> None:
         self.backend = backend
 
     def collect(self) -> Iterator[Metric]:

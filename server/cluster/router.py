@@ -31,10 +31,9 @@ import itertools
 import logging
 import time
 import uuid
-from collections import Counter as Tally
 from collections.abc import Sequence
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -43,10 +42,15 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from server.api.backend import CacheReport, EventSource, HealthReport
 from server.api.errors import ApiError
-from server.api.metrics import EngineSnapshot
-from server.api.state import AgentCard, EngineFacts
+from server.backend import (
+    AgentCard,
+    CacheReport,
+    EngineFacts,
+    EngineSnapshot,
+    EventSource,
+    HealthReport,
+)
 from server.cluster.auth import HEADER, ClusterSecret, check_admin
 from server.cluster.codec import Codec, is_lossy
 from server.cluster.members import Member, WorkerDown, check_worker, facts_of
@@ -70,7 +74,7 @@ from server.cluster.messages import (
     WorkerInfo,
     WorkerStats,
 )
-from server.cluster.metrics import RouterCollector
+from server.cluster.metrics import RouterCollector, RouterStats
 from server.cluster.stream import ClusterStream
 from server.engine.errors import InvalidRequest, Unavailable, UnknownModule
 from server.engine.sampling import SamplingParams
@@ -110,17 +114,8 @@ class RouterConfig:
             raise ValueError(f"transport must be auto, shm or tcp, got {self.transport!r}")
 
 
-@dataclass(slots=True)
-class RouterStats:
-    decisions: Tally[str] = field(default_factory=Tally)  # prefill reason -> requests
-    retries: int = 0
-    transfer_failures: int = 0
-    workers_down: int = 0
-    rejoined: int = 0
-
-
 class ClusterBackend:
-    """A :class:`~server.api.backend.Backend` over prefill and decode worker processes, and an
+    """A :class:`~server.backend.Backend` over prefill and decode worker processes, and an
     app plugin (its membership routes and health loop). ``collector`` adds the router's own
     figures to the app's Prometheus metrics."""
 

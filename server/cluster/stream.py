@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from server.cluster.members import Member, WorkerDown
 from server.cluster.messages import Event
+from server.cluster.metrics import RouterStats
 from server.engine.sequence import FinishReason, TokenEvent
-
-if TYPE_CHECKING:
-    from server.cluster.router import RouterStats
 
 
 class ClusterStream:

@@ -38,8 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from server.api.errors import ApiError
-from server.api.metrics import EngineSnapshot
-from server.api.state import EngineFacts
+from server.backend import EngineFacts, EngineSnapshot
 from server.cluster.auth import HEADER, ClusterSecret
 from server.cluster import codecs
 from server.cluster.codec import Frame, decode, encode, is_lossy

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from agentshare.protocol import AgentInfo
-from server.api.state import AgentCard, EngineFacts
+from server.backend import AgentCard, EngineFacts
 from server.cluster.auth import HEADER, ClusterSecret
 from server.cluster.members import Member, facts_of
 from server.cluster.messages import WorkerInfo, WorkerStats
