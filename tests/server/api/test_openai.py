@@ -86,9 +86,80 @@ def test_length_finish_at_the_limit(client: openai.OpenAI) -> None:
 
 
 def test_extra_fields_are_tolerated(client: openai.OpenAI) -> None:
-    res = chat_raw(client, model="base", messages=MESSAGES, **GREEDY,
-                   extra_body={"repetition_penalty": 1.1, "some_future_field": {"x": 1}})
+    res = chat_raw(client, model="base", messages=MESSAGES, **GREEDY, metadata={"run": "1"}, store=False,
+                   extra_body={"some_future_field": {"x": 1}, "min_p": 0})
     assert res.choices[0].message.content is not None
+
+
+# ---- penalties: OpenAI's frequency/presence, vLLM's repetition_penalty ------------------------
+
+# The tiny random model hardly ever repeats a token by itself, so a penalty against repeats changes
+# nothing there; a negative one (a reward; below 1 for repetition_penalty) makes it repeat. On this
+# prompt an earlier token comes within 1.01 of the greedy one at the 6th step.
+REPEAT = [{"role": "user", "content": "a a a a a a a a"}]
+
+
+def greedy_text(client: openai.OpenAI, **kw: object) -> str:
+    extra = {"ignore_eos": True, **kw.pop("extra_body", {})}  # type: ignore[dict-item]
+    res = chat_raw(client, model="base", messages=REPEAT, temperature=0, max_tokens=16, extra_body=extra, **kw)
+    return str(res.choices[0].message.content)
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": -2.0}, {"presence_penalty": -2.0},
+                                     {"extra_body": {"repetition_penalty": 0.05}}])
+def test_a_strong_penalty_is_accepted_and_changes_greedy_output(client: openai.OpenAI, penalty: dict) -> None:
+    plain = greedy_text(client)
+    penalized = greedy_text(client, **penalty)
+    assert penalized != plain
+    assert greedy_text(client, **penalty) == penalized  # still greedy: it repeats
+    neutral = {k: ({"repetition_penalty": 1.0} if k == "extra_body" else 0.0) for k in penalty}
+    assert greedy_text(client, **neutral) == plain
+
+
+def test_frequency_and_presence_penalties_follow_their_formula_and_logprobs_stay_raw(client: openai.OpenAI) -> None:
+    """Each greedy token is the argmax of ``logprob - f * count - p * (count > 0)`` (over the tokens
+    generated before it) among the 20 most likely, while the logprobs reported are the model's
+    own: the first token's equal those of an unpenalized request."""
+    kw = {"model": "base", "messages": REPEAT, "temperature": 0, "max_tokens": 16, "logprobs": True,
+          "top_logprobs": 20, "extra_body": {"ignore_eos": True}}
+    plain = chat_raw(client, **kw).choices[0].logprobs.content  # type: ignore[union-attr]
+    f, p = -0.5, -0.6  # rewards: the tiny model repeats nothing by itself
+    steps = chat_raw(client, frequency_penalty=f, presence_penalty=p, **kw).choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [(t.token, t.logprob) for t in steps[0].top_logprobs] == [(t.token, t.logprob) for t in plain[0].top_logprobs]
+    counts: dict[str, int] = {}
+    moved = 0
+    for step in steps:  # type: ignore[union-attr]
+        def score(token: str, logprob: float) -> float:
+            n = counts.get(token, 0)
+            return logprob - f * n - p * (n > 0)
+        best = max(score(t.token, t.logprob) for t in step.top_logprobs)
+        assert score(step.token, step.logprob) == pytest.approx(best, abs=1e-4), step.token
+        moved += step.token != step.top_logprobs[0].token
+        counts[step.token] = counts.get(step.token, 0) + 1
+    assert moved > 0  # the penalty did move some choice off the raw argmax
+
+
+def test_penalties_on_completions_and_the_native_api(client: openai.OpenAI, server_url: str) -> None:
+    def completion(**kw: object) -> str:
+        res = client.completions.create(model="base", prompt="a a a a a a a a", temperature=0, max_tokens=32,
+                                        **kw)  # type: ignore[call-overload]
+        return str(res.choices[0].text)
+
+    assert completion(presence_penalty=-2.0, extra_body={"ignore_eos": True}) != completion(
+        extra_body={"ignore_eos": True})
+    with httpx.Client(base_url=server_url, timeout=60) as http:
+        ctx = http.post("/v1/contexts", json={"text": "A shared text about zones and replicas."}).json()["id"]
+
+        def generate(**kw: object) -> list[int]:
+            r = http.post(f"/v1/contexts/{ctx}/generate", json={"agent": "coder", "text": "a a a a a a a a",
+                                                                "temperature": 0, "max_tokens": 32, "ignore_eos": True,
+                                                                **kw})
+            assert r.status_code == 200, r.text
+            return list(r.json()["token_ids"])
+
+        plain = generate()
+        for penalty in ({"repetition_penalty": 0.05}, {"frequency_penalty": -2.0}, {"presence_penalty": -2.0}):
+            assert generate(**penalty) != plain, penalty
 
 
 def test_n_choices_have_their_indices(client: openai.OpenAI) -> None:
