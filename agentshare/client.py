@@ -25,24 +25,19 @@ it is also stopped at interpreter exit, and it dies with its parent process.
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any, Literal, Self
 
-import anyio
 import httpx
 
 from agentshare import protocol
 from agentshare.agent import Agent, as_agent
+from agentshare.connection import Connection, content_body
 from agentshare.context import SharedContext
-from agentshare.errors import AgentshareError, ConnectionFailed, error_from_response
 from agentshare.local_server import LocalServer
 from agentshare.metrics import ServerMetrics
-
-_STREAM_ERROR_STATUS = {"authentication_error": 401, "rate_limit_error": 429, "invalid_request_error": 400,
-                        "service_unavailable": 503}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +92,6 @@ class AsyncClient:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.api_key = api_key
         self.timeout = timeout
-        self._transport = transport
-        self._base_url = base_url.rstrip("/") if base_url else None
         self.server: LocalServer | None = None
         if base_url is None and transport is None:
             args = ["--dtype", dtype]
@@ -116,14 +109,18 @@ class AsyncClient:
         elif model is not None or modules:
             raise ValueError("model= and modules= configure a launched server; with a base_url the server "
                              "serves what it was started with")
-        self._http: httpx.AsyncClient | None = None
-        self._lock: anyio.Lock | None = None
-        self.closed = False
+        self._conn = Connection(base_url, api_key=api_key, timeout=timeout, transport=transport,
+                                server=self.server)
 
     @property
     def base_url(self) -> str | None:
         """The server's URL (a launched server's once started)."""
-        return self._base_url or (self.server.url if self.server is not None else None)
+        return self._conn.base_url
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called (a closed client refuses every call)."""
+        return self._conn.closed
 
     def __repr__(self) -> str:
         how = "launched" if self.server is not None else "connected"
@@ -140,82 +137,14 @@ class AsyncClient:
 
     async def start(self) -> None:
         """Launch the local server (if any) and open the connection; done on first use anyway."""
-        await self._client()
+        await self._conn.open()
 
     async def aclose(self) -> None:
         """Close the connection and stop a launched server (waits until its process is gone)."""
-        self.closed = True
-        with anyio.CancelScope(shield=True):
-            if self._http is not None:
-                await self._http.aclose()
-                self._http = None
-            if self.server is not None:
-                await self.server.stop()
-
-    async def _client(self) -> httpx.AsyncClient:
-        if self.closed:
-            raise ConnectionFailed("this client is closed")
-        if self._http is not None:
-            return self._http
-        if self._lock is None:
-            self._lock = anyio.Lock()
-        async with self._lock:
-            if self._http is None:
-                if self.server is not None and not self.server.running:
-                    try:
-                        await self.server.start()
-                    except BaseException:
-                        self.server.kill()
-                        raise
-                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-                self._http = httpx.AsyncClient(
-                    base_url=self.base_url or "http://agentshare", headers=headers, transport=self._transport,
-                    timeout=httpx.Timeout(self.timeout, connect=10.0))
-        return self._http
-
-    # ---- HTTP --------------------------------------------------------------------------------
+        await self._conn.aclose()
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        http = await self._client()
-        try:
-            resp = await http.request(method, path, json=body)
-        except httpx.TransportError as exc:
-            raise ConnectionFailed(f"{method} {self.base_url}{path}: {exc!r}") from exc
-        if resp.status_code >= 400:
-            raise _error(resp.status_code, resp.content, resp.headers.get("retry-after"))
-        return resp.json() if resp.headers.get("content-type", "").startswith("application/json") else resp.text
-
-    async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The ``data:`` events of a server-sent-event response, until ``[DONE]``."""
-        http = await self._client()
-        try:
-            async with http.stream("POST", path, json=body) as resp:
-                if resp.status_code >= 400:
-                    raise _error(resp.status_code, await resp.aread(), resp.headers.get("retry-after"))
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    event = json.loads(data)
-                    if "error" in event:  # an error after the stream started
-                        etype = str((event["error"] or {}).get("type", ""))
-                        raise error_from_response(_STREAM_ERROR_STATUS.get(etype, 500), event)
-                    yield event
-        except httpx.TransportError as exc:
-            raise ConnectionFailed(f"POST {self.base_url}{path}: {exc!r}") from exc
-        # a clean close before [DONE]: the answer is cut short, never a complete one
-        raise ConnectionFailed(f"POST {self.base_url}{path}: the stream ended before [DONE] (connection closed "
-                               "mid-response, e.g. by a proxy or a server restart); retry the request")
-
-    def _content_body(self, content: str | Sequence[Any], *, text_kind: bool = False) -> dict[str, Any]:
-        if isinstance(content, str):
-            return {"text": content} if text_kind else {"messages": [{"role": "user", "content": content}]}
-        if text_kind:
-            raise ValueError("a text context is extended with text, not messages")
-        msgs = [m.model_dump(exclude_none=True) if isinstance(m, protocol.ChatMessage) else dict(m) for m in content]
-        return {"messages": msgs}
+        return await self._conn.request(method, path, body)
 
     # ---- the API -----------------------------------------------------------------------------
 
@@ -233,16 +162,16 @@ class AsyncClient:
         """
         if (content is None) == (text is None):
             raise ValueError("give the context as content (messages or a string) or as text=, not both")
-        body = self._content_body(text, text_kind=True) if text is not None else self._content_body(content or "")
+        body = content_body(text, text_kind=True) if text is not None else content_body(content or "")
         if ttl is not None:
             body["ttl"] = ttl
         info = protocol.ContextInfo.model_validate(await self._request("POST", "/v1/contexts", body))
-        return SharedContext(self, info)
+        return SharedContext(self._conn, info)
 
     async def attach(self, context_id: str) -> SharedContext:
         """A handle on an existing context by id (e.g. one carried in a LangGraph state)."""
         info = protocol.ContextInfo.model_validate(await self._request("GET", f"/v1/contexts/{context_id}"))
-        return SharedContext(self, info)
+        return SharedContext(self._conn, info)
 
     async def agents(self) -> list[ServedAgent]:
         """The agents (decode modules) the server serves, and whether each shares the prefill."""
@@ -265,7 +194,7 @@ class AsyncClient:
             body.update({"text": turn} if context.kind == "text" else
                         {"messages": [{"role": "user", "content": turn}]})
         elif messages is not None:
-            body.update(self._content_body(messages))
+            body.update(content_body(messages))
         elif prompt is not None:
             body["prompt"] = prompt
         else:
@@ -281,10 +210,3 @@ class AsyncClient:
     async def health(self) -> protocol.Health:
         return protocol.Health.model_validate(await self._request("GET", "/health"))
 
-
-def _error(status: int, content: bytes, retry_after: str | None) -> AgentshareError:
-    try:
-        body: Any = json.loads(content)
-    except ValueError:
-        body = content.decode(errors="replace")
-    return error_from_response(status, body, retry_after=retry_after)

@@ -25,26 +25,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import Any, Literal, Self
 
 import anyio
 
 from agentshare import protocol
 from agentshare.agent import Agent, as_agent
+from agentshare.connection import Connection, content_body
 from agentshare.errors import NotFoundError
 from agentshare.results import Answer, Chunk, FinishReason, ForkResult, Timings, Usage
-
-if TYPE_CHECKING:
-    from agentshare.client import AsyncClient
 
 Task = Agent | str | tuple[Agent | str, str | None]
 
 
 class SharedContext:
-    """A context pinned on the server. Made by :meth:`AsyncClient.context`; not built directly."""
+    """A context pinned on the server. Made by :meth:`AsyncClient.context` (or ``attach``) over
+    the client's :class:`~agentshare.connection.Connection`; not built directly."""
 
-    def __init__(self, client: AsyncClient, info: protocol.ContextInfo) -> None:
-        self._client = client
+    def __init__(self, connection: Connection, info: protocol.ContextInfo) -> None:
+        self._conn = connection
         self.id = info.id
         self.released = False
         self._update(info)
@@ -115,7 +114,7 @@ class SharedContext:
             body["messages"] = [{"role": "user", "content": turn}]
         else:
             body["text"] = turn
-        async for event in self._client._stream(f"/v1/contexts/{self.id}/generate", body):
+        async for event in self._conn.stream(f"/v1/contexts/{self.id}/generate", body):
             c = protocol.GenerationChunk.model_validate(event)
             yield Chunk(agent=a.name, text=c.text, token_ids=tuple(c.token_ids), finish_reason=c.finish_reason,
                         usage=None if c.usage is None else Usage.of(c.usage)), c.id
@@ -161,17 +160,17 @@ class SharedContext:
 
         On a chat context a string is one user message; on a text context, plain text.
         """
-        body = self._client._content_body(messages, text_kind=self.kind == "text")
+        body = content_body(messages, text_kind=self.kind == "text")
         if ttl is not None:
             body["ttl"] = ttl
         info = protocol.ContextInfo.model_validate(
-            await self._client._request("POST", f"/v1/contexts/{self.id}/extend", body))
+            await self._conn.request("POST", f"/v1/contexts/{self.id}/extend", body))
         self._update(info)
         return self
 
     async def refresh(self) -> SharedContext:
         """Re-read this context's figures from the server."""
-        self._update(protocol.ContextInfo.model_validate(await self._client._request("GET", f"/v1/contexts/{self.id}")))
+        self._update(protocol.ContextInfo.model_validate(await self._conn.request("GET", f"/v1/contexts/{self.id}")))
         return self
 
     async def release(self) -> bool:
@@ -179,10 +178,10 @@ class SharedContext:
         if self.released:
             return False
         self.released = True
-        if self._client.closed:  # a launched server is gone with its client; a remote pin expires
+        if self._conn.closed:  # a launched server is gone with its client; a remote pin expires
             return False
         try:
-            out = await self._client._request("DELETE", f"/v1/contexts/{self.id}")
+            out = await self._conn.request("DELETE", f"/v1/contexts/{self.id}")
         except NotFoundError:
             return False
         return bool(protocol.ContextReleased.model_validate(out).released)

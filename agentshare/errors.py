@@ -50,23 +50,23 @@ class APIError(AgentshareError):
 
 
 class BadRequestError(APIError):
-    pass
+    """400, 413, 422: the request is wrong; the message (and ``param``) says how."""
 
 
 class AuthenticationError(APIError):
-    pass
+    """401, 403: a missing or unknown API key."""
 
 
 class NotFoundError(APIError):
-    pass
+    """404: an unknown agent (model) or context (released, expired, or another tenant's)."""
 
 
 class RateLimitError(APIError):
-    pass
+    """429: the pool, the queue or the tenant's quota is full; retry after ``retry_after`` seconds."""
 
 
 class InternalServerError(APIError):
-    pass
+    """5xx: the server failed the request."""
 
 
 def error_from_response(status: int, body: Any, *, retry_after: str | None = None) -> APIError:
