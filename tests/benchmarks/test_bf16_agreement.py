@@ -16,6 +16,10 @@ from server.models.loader import default_model_dir
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "benchmarks" / "recorded" / "bf16_agreement.json"
 PROMPTS, TOKENS = 4, 16
+SIGMAS = 2.0
+"""Room for noise in the shared-vs-cold check: on 64 positions, which ones bf16 flips differs
+between CPUs (one host gave shared~cold 2 vs cold~fp32 1, another 0 vs 1); the full recorded
+run (3,200 positions per row) holds with no room at all."""
 
 # Over the 60 s default: measured warm, 1 thread, 131 s of CPU (257 s wall beside another job);
 # a first run on a machine also converts the default model and builds the LoRAs (~40 s).
@@ -44,6 +48,8 @@ def test_the_checks_catch_a_worse_run(bench) -> None:
     old = json.loads(RECORDED.read_text())["records"][:PROMPTS]
     ref = bench.summarize(old, TOKENS)
     assert not bench.regressions(ref, ref, positions=PROMPTS * TOKENS) and not bench.sharing_worse_than_bf16(ref)
+    full = json.loads(RECORDED.read_text())
+    assert not bench.sharing_worse_than_bf16(bench.summarize(full["records"], full["tokens"]))  # no room
     broken = json.loads(json.dumps(old))
     for r in broken:
         for setting in r["settings"].values():
@@ -51,7 +57,7 @@ def test_the_checks_catch_a_worse_run(bench) -> None:
                 for seq in (m["shared"], *([m["greedy"]["shared"]] if m["greedy"] else [])):
                     seq[4:] = [t + 1 for t in seq[4:]]
     worse = bench.summarize(broken, TOKENS)
-    assert bench.sharing_worse_than_bf16(worse)
+    assert bench.sharing_worse_than_bf16(worse, sigmas=SIGMAS)
     found = bench.regressions(worse, ref, positions=PROMPTS * TOKENS)
     assert any("shared~cold: top-1" in w for w in found) and any("shared~cold: greedy" in w for w in found)
 
@@ -66,7 +72,7 @@ def test_every_arm_is_served_as_it_claims(measured) -> None:
 
 def test_sharing_disagrees_with_cold_no_more_than_cold_bf16_with_fp32(bench, measured) -> None:
     figures = bench.summarize(measured, TOKENS)
-    assert not bench.sharing_worse_than_bf16(figures), bench.table(figures, PROMPTS, TOKENS)
+    assert not bench.sharing_worse_than_bf16(figures, sigmas=SIGMAS), bench.table(figures, PROMPTS, TOKENS)
 
 
 def test_no_figure_is_more_than_twice_worse_than_recorded(bench, measured) -> None:
