@@ -9,21 +9,8 @@
 
 Every choice is accepted by the engine before anything is yielded, so a request that the
 engine refuses becomes an HTTP error, never a broken stream. Latencies (TTFT, ITL, E2E) are
-observed here, per choice.
-
->>> p = sampling_params(limit=None, temperature=None, top_p=None, top_k=-1, seed=None, stop=(),
-...                     default_max_tokens=16)
->>> p.max_tokens, p.temperature, p.top_k
-(16, 1.0, 0)
-
-Values the schema accepts but float32 sampling cannot represent are clamped to their meaning: a
-temperature below 1e-5 is greedy (as vLLM does), a top_p below 1e-6 keeps only the most likely
-token (which it does anyway for any vocabulary under a million tokens):
-
->>> q = sampling_params(limit=4, temperature=1e-300, top_p=1e-300, top_k=None, seed=None, stop=(),
-...                     default_max_tokens=16)
->>> q.temperature, q.top_p
-(0.0, 1e-06)
+observed here, per choice. The sampling parameters come from the request itself
+(``SamplingParams.from_spec(body.sampling(), ...)``: the defaults and clamps live there).
 """
 
 from __future__ import annotations
@@ -46,31 +33,11 @@ from server.prompt import Prompt
 
 T = TypeVar("T")
 
-GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
-MIN_TOP_P = 1e-6  # float32 rounds smaller values to 0, which would keep no token at all
-
 
 @dataclass(frozen=True, slots=True)
 class ChoiceEvent:
     index: int
     event: TokenEvent
-
-
-def sampling_params(
-    *, limit: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
-    seed: int | None, stop: Sequence[str], default_max_tokens: int, ignore_eos: bool = False,
-    logprobs: int | None = None,
-) -> SamplingParams:
-    """Engine sampling parameters with the OpenAI defaults (temperature 1, top_p 1), clamped
-    to what float32 sampling represents (the request schemas have checked the ranges)."""
-    temperature = 1.0 if temperature is None else temperature
-    return SamplingParams(
-        max_tokens=limit if limit is not None else default_max_tokens,
-        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
-        top_p=1.0 if top_p is None else max(top_p, MIN_TOP_P),
-        top_k=0 if top_k is None or top_k < 0 else top_k,
-        seed=seed, stop=tuple(stop), ignore_eos=ignore_eos, logprobs=logprobs,
-    )
 
 
 async def stream_choices(
