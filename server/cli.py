@@ -5,10 +5,14 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from server.policy import placement
 
 app = typer.Typer(
     name="agentshare",
@@ -21,6 +25,25 @@ app = typer.Typer(
 _SECRET_ENV, _ADMIN_ENV = "AGENTSHARE_CLUSTER_SECRET", "AGENTSHARE_ADMIN_KEY"  # server.cluster.auth's
 _SECRET_HELP = (f"file (mode 0600) holding the cluster secret (`agentshare cluster-secret PATH` makes one), or "
                 f"{_SECRET_ENV}; a launched set gets one from its launcher")
+
+
+def _registered(registry: str, option: str) -> Callable[[str], str]:
+    """A parser: the value if the registry module ``registry`` has it (``get(name)``), else a usage
+    error listing the registered names. Imported only then: the CLI itself starts without torch."""
+
+    def parse(value: str) -> str:
+        try:
+            importlib.import_module(registry).get(value)
+        except ValueError as exc:  # UnknownCodec, UnknownPolicy
+            raise typer.BadParameter(str(exc), param_hint=option) from None
+        return value
+
+    return parse
+
+
+_CODEC = {"parser": _registered("server.cluster.codecs", "--transfer-codec"), "metavar": "CODEC"}
+_PLACEMENT = {"parser": _registered("server.policy.placement", "--placement-policy"),
+              "metavar": "[" + "|".join(placement.names()) + "]"}
 
 
 @app.callback()
@@ -80,8 +103,12 @@ def serve(
     disaggregated: bool = typer.Option(False, help="run prefill and decode in worker processes, this one routes"),
     prefill_workers: int = typer.Option(1, help="with --disaggregated: prefill worker processes"),
     decode_workers: int = typer.Option(2, help="with --disaggregated: decode worker processes (agents dealt round-robin)"),
-    transfer_codec: str = typer.Option("bf16", help="with --disaggregated: KV payload: fp32, bf16 or int8 (lossy namespace)"),
+    transfer_codec: str = typer.Option("bf16", **_CODEC, help="with --disaggregated: KV payload codec, "
+                                       "a name registered in server/cluster/codecs (built in: fp32, bf16, "
+                                       "int8; int8 puts moved blocks in the lossy namespace)"),
     transport: str = typer.Option("auto", help="with --disaggregated: shm, tcp, or auto (shm within a host)"),
+    placement_policy: str = typer.Option("offload", **_PLACEMENT, help="with --disaggregated: the "
+                                         "placement policy (registered in server/policy/placement.py)"),
     offload_threshold: int = typer.Option(256, help="with --disaggregated: offload prefills longer than this (tokens)"),
     bandwidth_aware: bool = typer.Option(True, help="with --disaggregated: keep a prefill local when moving its KV "
                                          "would take longer than computing it (off: offload every long prefill)"),
@@ -102,7 +129,8 @@ def serve(
     from server.cluster.launch import serve_disaggregated
 
     serve_disaggregated(config, prefill=prefill_workers, decode=decode_workers, threads=threads,
-                        router=_router_config(transfer_codec, transport, offload_threshold, bandwidth_aware),
+                        router=_router_config(transfer_codec, transport, offload_threshold, bandwidth_aware,
+                                              placement_policy),
                         worker_host=worker_host, admin_key=_admin_key(admin_key_file))
 
 
@@ -142,7 +170,8 @@ def router(
     host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
     model: Path | None = typer.Option(None, help="base model directory, for the tokenizer"),
     api_key: list[str] | None = typer.Option(None, envvar="AGENTSHARE_API_KEYS"),
-    transfer_codec: str = typer.Option("bf16"), transport: str = typer.Option("auto", help="shm, tcp or auto"),
+    transfer_codec: str = typer.Option("bf16", **_CODEC), transport: str = typer.Option("auto", help="shm, tcp or auto"),
+    placement_policy: str = typer.Option("offload", **_PLACEMENT),
     offload_threshold: int = typer.Option(256), bandwidth_aware: bool = typer.Option(True),
     max_pinned_contexts: int = typer.Option(64, help="per tenant: shared contexts pinned at once; beyond: 429"),
     max_pinned_share: float | None = typer.Option(
@@ -158,7 +187,7 @@ def router(
     from server.cluster.launch import serve_router
 
     serve_router(config_from_options(locals()), worker,
-                 _router_config(transfer_codec, transport, offload_threshold, bandwidth_aware),
+                 _router_config(transfer_codec, transport, offload_threshold, bandwidth_aware, placement_policy),
                  secret=_secret(cluster_secret_file), admin_key=_admin_key(admin_key_file))
 
 
@@ -197,14 +226,14 @@ def _admin_key(path: Path | None) -> str | None:
         raise typer.BadParameter(str(exc), param_hint="--admin-key-file") from exc
 
 
-def _router_config(codec: str, transport: str, threshold: int, bandwidth_aware: bool = True) -> object:
-    from server.cluster.codec import Codec
+def _router_config(codec: str, transport: str, threshold: int, bandwidth_aware: bool = True,
+                   placement_policy: str = "offload") -> object:
     from server.cluster.router import RouterConfig
     from server.policy import OffloadPolicy
 
     try:
         policy = OffloadPolicy(threshold_tokens=threshold, bandwidth_aware=bandwidth_aware)
-        return RouterConfig(codec=Codec(codec), transport=transport, policy=policy)
+        return RouterConfig(codec=codec, transport=transport, policy=policy, placement_policy=placement_policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 

@@ -253,7 +253,8 @@ def serve_router(
     backend = ClusterBackend.connect([w.rstrip("/") for w in workers], tokenizer, router, secret=secret,
                                      admin_key=admin_key)
     log.info("router", extra={"event": "router", "workers": ",".join(workers), "agents": ",".join(backend.facts.agents),
-                              "codec": router.codec.value, "transport": router.transport,
+                              "codec": router.codec, "transport": router.transport,
+                              "placement_policy": router.placement_policy,
                               "threshold": router.policy.threshold_tokens})
     app = create_app(backend, config, owns_engine=True, plugins=[backend])
     uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,

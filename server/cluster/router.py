@@ -51,8 +51,9 @@ from server.backend import (
     EventSource,
     HealthReport,
 )
+from server.cluster import codecs
 from server.cluster.auth import HEADER, ClusterSecret, check_admin
-from server.cluster.codec import Codec, is_lossy
+from server.cluster.codec import is_lossy
 from server.cluster.members import Member, WorkerDown, check_worker, facts_of
 from server.cluster.messages import (
     Cached,
@@ -87,6 +88,7 @@ from server.policy import (
     Role,
     WorkerSnapshot,
     place,
+    placement,
 )
 from server.policy.offload import RouteDecision, Where
 from server.prompt import Placement, Prompt
@@ -98,9 +100,12 @@ class RouterConfig:
     """How the router places and moves work."""
 
     policy: OffloadPolicy = OffloadPolicy(threshold_tokens=256)
-    codec: Codec = Codec.BF16
-    """Payload dtype of KV transfers; a lossy one (int8, or bf16 from an fp32 engine) puts the
-    moved blocks in the family's lossy namespace."""
+    """The placement knobs (offload threshold, bandwidth-awareness, affinity)."""
+    placement_policy: str = placement.DEFAULT
+    """The placement policy's registered name (:mod:`server.policy.placement`)."""
+    codec: str = "bf16"
+    """Payload of KV transfers, a registered codec's name (:mod:`server.cluster.codecs`); a lossy one
+    (int8, or bf16 from an fp32 engine) puts the moved blocks in the family's lossy namespace."""
     transport: str = "auto"
     """shm, tcp, or auto: shared memory between workers reached at the same host name, else TCP."""
     health_interval: float = 0.5
@@ -112,6 +117,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):
             raise ValueError(f"transport must be auto, shm or tcp, got {self.transport!r}")
+        placement.get(self.placement_policy)  # UnknownPolicy / UnknownCodec list the registered names
+        object.__setattr__(self, "codec", codecs.get(self.codec).name)
 
 
 class ClusterBackend:
@@ -282,7 +289,7 @@ class ClusterBackend:
         )
         family = card.family if card.shares_prefill and prefix else None
         decision = place(RequestSnapshot(next(self._requests), card.name, family, max(1, len(prefix))),
-                         snapshot, self.config.policy)
+                         snapshot, self.config.policy, name=self.config.placement_policy)
         self.stats.decisions[decision.prefill.reason.value] += 1
         member = next(m for m in candidates if m.id == decision.decode.worker_id)
         if decision.prefill.where is not Where.REMOTE:
@@ -307,7 +314,7 @@ class ClusterBackend:
         order = Prefill(transfer_id=tid, token_ids=prefix[: (expected.first_block + expected.num_blocks) * self.facts.block_size],
                         salt=salt, first_block=expected.first_block,
                         destination=expected.address[self._transport_between(source, dest)],
-                        codec=self.config.codec.value)
+                        codec=self.config.codec)
         nbytes = expected.num_blocks * self.facts.block_size * self._kv_bytes_per_token()
         task = asyncio.create_task(self._run_transfer(source, dest, order, decision.prefill.compute_tokens, nbytes))
         self._transfers.add(task)
@@ -353,7 +360,7 @@ class ClusterBackend:
 
     def _lossy_codec(self) -> str | None:
         """The lossy namespace moved blocks land in, or None when the codec is exact for our KV."""
-        return self.config.codec.value if is_lossy(self.config.codec, getattr(torch, self._kv_dtype())) else None
+        return self.config.codec if is_lossy(self.config.codec, getattr(torch, self._kv_dtype())) else None
 
     def _kv_dtype(self) -> str:
         infos = [m.info for m in self.members if m.info is not None]

@@ -4,7 +4,9 @@ One noun per module::
 
     snapshot.py     RequestSnapshot, WorkerSnapshot, LinkSnapshot, ClusterSnapshot, Role
     affinity.py     choose_worker(): longest cached prefix, balanced against queued work
-    offload.py      decide_prefill() / place(): private, local or offloaded prefill, and why
+    offload.py      decide_prefill(): private, local or offloaded prefill, and why;
+                    decide_route(): affinity, then decide_prefill (the "offload" policy)
+    placement.py    place(): the placement policy of a name (registered there), the one call
     replication.py  plan_replication(): hot prefixes to copy to decode workers, within a budget
 
 Every decision carries a reason enum (``ChoiceReason``, ``PrefillReason``,
@@ -26,8 +28,9 @@ from server.policy.offload import (
     RouteDecision,
     Where,
     decide_prefill,
-    place,
+    decide_route,
 )
+from server.policy.placement import PlacementPolicy, UnknownPolicy, place
 from server.policy.replication import (
     PrefixHeat,
     Replication,
@@ -49,6 +52,7 @@ __all__ = [
     "ClusterSnapshot",
     "LinkSnapshot",
     "OffloadPolicy",
+    "PlacementPolicy",
     "RouteDecision",
     "PrefillDecision",
     "PrefillReason",
@@ -58,11 +62,13 @@ __all__ = [
     "ReplicationReason",
     "RequestSnapshot",
     "Role",
+    "UnknownPolicy",
     "WorkerChoice",
     "WorkerSnapshot",
     "Where",
     "choose_worker",
     "decide_prefill",
+    "decide_route",
     "place",
     "plan_replication",
 ]

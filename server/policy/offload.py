@@ -17,8 +17,9 @@ The threshold is strict: an incremental prefill of exactly ``threshold_tokens`` 
 Only what the decode worker lacks crosses the link: ``prompt - decode.cached_tokens`` tokens of
 KV, even when the prefill worker recomputes more than that (its own cache may be shorter).
 
-:func:`place` composes the decode-worker choice (:mod:`server.policy.affinity`) and this decision:
-it is the one call a router makes per request.
+:func:`decide_route` composes the decode-worker choice (:mod:`server.policy.affinity`) and this
+decision: it is the ``offload`` placement policy, the default of :func:`server.policy.place`
+(:mod:`server.policy.placement`).
 """
 
 from __future__ import annotations
@@ -167,12 +168,12 @@ def decide_prefill(
     return remote
 
 
-def place(
+def decide_route(
     request: RequestSnapshot,
     cluster: ClusterSnapshot,
     policy: OffloadPolicy = OffloadPolicy(),
 ) -> RouteDecision:
-    """The router's one call: choose the decode worker by affinity, then where to prefill.
+    """The ``offload`` placement policy: the decode worker by affinity, then where to prefill.
 
     Family requests go to decode workers of their family; a foreign module may go to any
     decode worker (it brings its own weights) and always prefills privately there.
@@ -180,7 +181,7 @@ def place(
     >>> from server.policy.snapshot import ClusterSnapshot, RequestSnapshot, Role
     >>> from server.policy.snapshot import WorkerSnapshot as W
     >>> c = ClusterSnapshot("f", 100, decode=[W(0, Role.DECODE, "f"), W(1, Role.DECODE, "f")])
-    >>> p = place(RequestSnapshot(1, "m", "other-family", 64), c)
+    >>> p = decide_route(RequestSnapshot(1, "m", "other-family", 64), c)
     >>> p.decode.worker_id, p.prefill.reason.value
     (0, 'foreign_module')
     """

@@ -2,7 +2,8 @@
 
 Per request the simulator does what the router will do: snapshot every worker (its cached
 prefix of this request, queued prefill work, batch, occupancy) and every link, call
-:func:`server.policy.place`, and act on the answer::
+:func:`server.policy.place` (the placement policy ``ClusterConfig.placement_policy`` names), and
+act on the answer::
 
     ARRIVE     match the request in every cache -> snapshots -> place()
                LOCAL : hold/register on the decode worker, queue a chunked local prefill
@@ -44,6 +45,7 @@ from server.policy import (
     WorkerSnapshot,
     place,
 )
+from server.policy import placement as placements
 from server.sim.cache import Holding, PrefixCache
 from server.sim.metrics import RequestRecord, Summary, summarize
 from server.sim.profile import CPU_SMOLLM2_135M, ServiceProfile
@@ -70,6 +72,9 @@ class ClusterConfig:
     link_latency_s: float = 0.0
     block_tokens: int = 32
     policy: OffloadPolicy = OffloadPolicy()
+    placement_policy: str = placements.DEFAULT
+    """The placement policy's registered name (:mod:`server.policy.placement`); ``policy`` holds
+    the knobs it reads."""
     cross_module_sharing: bool = True
     cache_tokens: int | None = None
     family: str = "fam"
@@ -97,6 +102,7 @@ class Simulator:
         self.config = c = config
         if c.decode_workers < 1 or c.prefill_workers < 0 or c.block_tokens < 1:
             raise ValueError("need >= 1 decode worker, >= 0 prefill workers, block_tokens >= 1")
+        placements.get(c.placement_policy)  # an unknown name fails here
 
         def cache(p: ServiceProfile) -> PrefixCache:
             tokens = c.cache_tokens if c.cache_tokens is not None else p.capacity_tokens()
@@ -190,7 +196,8 @@ class Simulator:
             ],
         )
         placement = place(
-            RequestSnapshot(req.id, req.module, req.family, req.input_tokens), snapshot, c.policy
+            RequestSnapshot(req.id, req.module, req.family, req.input_tokens), snapshot, c.policy,
+            name=c.placement_policy,
         )
         dec = placement.prefill
         assert placement.decode.worker is not None and dec.where is not Where.NOWHERE

@@ -1,0 +1,122 @@
+"""Placement policies by name, and :func:`place`, the router's and the simulator's one call.
+
+A placement policy is a pure function ``(request, cluster, knobs) -> RouteDecision``: the
+decode worker, and where the prefill runs and why. ``knobs`` is the caller's
+:class:`~server.policy.offload.OffloadPolicy` (threshold, bandwidth-awareness, affinity); a
+policy reads the ones it needs. Registered::
+
+    offload   decide_route() (offload.py): decode worker by affinity among the family's
+              workers, then decide_prefill()'s local / offloaded rule          (the default)
+
+Adding a policy: a file in ``server/policy/`` with the function, and one ``register(...)``
+line below. ``RouterConfig.placement_policy``, ``ClusterConfig.placement_policy`` (the
+simulator) and ``--placement-policy`` then take its name.
+
+>>> from server.policy.snapshot import ClusterSnapshot, RequestSnapshot, Role, WorkerSnapshot
+>>> c = ClusterSnapshot("f", 100, decode=[WorkerSnapshot(0, Role.DECODE, "f")])
+>>> place(RequestSnapshot(1, "m", "f", 64), c, name="offload").prefill.reason.value
+'below_threshold'
+>>> names()
+('offload',)
+>>> get("round-robin")
+Traceback (most recent call last):
+...
+server.policy.placement.UnknownPolicy: unknown placement policy 'round-robin'; registered policies: offload (add one with server.policy.placement.register)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol
+
+from server.policy import offload
+from server.policy.offload import OffloadPolicy, RouteDecision
+from server.policy.snapshot import ClusterSnapshot, RequestSnapshot
+
+DEFAULT = "offload"
+"""The policy :func:`place` (and the router, and the simulator) use unless told otherwise."""
+
+_KNOBS = OffloadPolicy()
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+
+class PlacementPolicy(Protocol):
+    """Where a request goes: the decode worker, and where its prefill runs, with reasons.
+
+    Pure: it reads the frozen snapshots and the knobs, holds no state and reads no clock. Its
+    ``RouteDecision`` names a worker of ``cluster.decode`` (or ``Where.NOWHERE`` when none can
+    take the request) and, for ``Where.REMOTE``, a prefill worker and its link.
+    """
+
+    def __call__(
+        self, request: RequestSnapshot, cluster: ClusterSnapshot, policy: OffloadPolicy, /
+    ) -> RouteDecision: ...
+
+
+_POLICIES: dict[str, PlacementPolicy] = {}
+
+
+class UnknownPolicy(ValueError):
+    """A placement policy name nothing is registered under; the message lists the ones that are."""
+
+
+def register(name: str, policy: PlacementPolicy, *, replace: bool = False) -> PlacementPolicy:
+    """Make ``policy`` usable as ``name``; returns it. A taken name needs ``replace``."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"a placement policy's name is lowercase letters, digits, '.', '_' or '-', got {name!r}"
+        )
+    if name in _POLICIES and not replace:
+        raise ValueError(
+            f"placement policy {name!r} is already registered; pass replace=True to replace it"
+        )
+    _POLICIES[name] = policy
+    return policy
+
+
+def unregister(name: str) -> None:
+    """Forget the policy registered as ``name`` (tests' toy policies)."""
+    get(name)
+    del _POLICIES[name]
+
+
+def get(name: Any) -> PlacementPolicy:
+    """The policy registered as ``name``; :class:`UnknownPolicy` (a ValueError) if none is."""
+    policy = _POLICIES.get(name) if isinstance(name, str) else None
+    if policy is None:
+        raise UnknownPolicy(
+            f"unknown placement policy {name!r}; registered policies: {', '.join(_POLICIES)} "
+            "(add one with server.policy.placement.register)"
+        )
+    return policy
+
+
+def names() -> tuple[str, ...]:
+    """Registered policy names, in registration order."""
+    return tuple(_POLICIES)
+
+
+def place(
+    request: RequestSnapshot,
+    cluster: ClusterSnapshot,
+    policy: OffloadPolicy = _KNOBS,
+    *,
+    name: str = DEFAULT,
+) -> RouteDecision:
+    """The router's one call: the decision of the placement policy ``name``, with knobs ``policy``.
+
+    With the default policy: the decode worker by affinity (family requests among their
+    family's decode workers; a foreign module on any, prefilling privately there), then where
+    to prefill (:func:`~server.policy.offload.decide_prefill`).
+
+    >>> from server.policy.snapshot import ClusterSnapshot, RequestSnapshot, Role
+    >>> from server.policy.snapshot import WorkerSnapshot as W
+    >>> c = ClusterSnapshot("f", 100, decode=[W(0, Role.DECODE, "f"), W(1, Role.DECODE, "f")])
+    >>> p = place(RequestSnapshot(1, "m", "other-family", 64), c)
+    >>> p.decode.worker_id, p.prefill.reason.value
+    (0, 'foreign_module')
+    """
+    return get(name)(request, cluster, policy)
+
+
+register("offload", offload.decide_route)
