@@ -126,8 +126,11 @@ def content_body(content: str | Sequence[Any], *, text_kind: bool = False) -> di
         return {"text": content} if text_kind else {"messages": [{"role": "user", "content": content}]}
     if text_kind:
         raise ValueError("a text context is extended with text, not messages")
-    msgs = [m.model_dump(exclude_none=True) if isinstance(m, protocol.ChatMessage) else dict(m) for m in content]
-    return {"messages": msgs}
+    return {"messages": [_message(m) for m in content]}
+
+
+def _message(m: Any) -> dict[str, Any]:
+    return m.model_dump(exclude_none=True) if isinstance(m, protocol.ChatMessage) else dict(m)
 
 
 def _error(status: int, content: bytes, retry_after: str | None) -> AgentshareError:
