@@ -18,7 +18,8 @@ KV moved between them (docs/cluster.md).
     handoff.py    Outbound / Inbound: export and import KV blocks on the engine thread
     launch.py     LocalCluster, plan_workers, and the worker / router / serve --disaggregated entry points
     messages.py   the internal API's bodies (pydantic); engine errors across the wire
-    codec.py      Codec (fp32, bf16, int8 per block), KVChunk, Frame, encode/decode, is_lossy
+    codec.py      KVChunk, Frame, encode/decode, is_lossy: a frame of any registered codec; Codec
+    codecs/       the codecs by name (register, get, names): fp32, bf16, int8 per block
     wire.py       frame layout on a byte stream (MAGIC, VERSION), LinkStats
     tcp.py        TCPSender: one transfer over one TCP connection
     shm.py        ShmSender: control over TCP, payloads through shared-memory files

@@ -8,8 +8,8 @@ policy reads the ones it needs. Registered::
     offload   decide_route() (offload.py): decode worker by affinity among the family's
               workers, then decide_prefill()'s local / offloaded rule          (the default)
 
-Adding a policy: a file in ``server/policy/`` with the function, and one ``register(...)``
-line below. ``RouterConfig.placement_policy``, ``ClusterConfig.placement_policy`` (the
+Adding a policy: a file in ``server/policy/`` with the function; below, its import and one
+``register(...)`` line. ``RouterConfig.placement_policy``, ``ClusterConfig.placement_policy`` (the
 simulator) and ``--placement-policy`` then take its name.
 
 >>> from server.policy.snapshot import ClusterSnapshot, RequestSnapshot, Role, WorkerSnapshot

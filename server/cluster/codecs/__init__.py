@@ -9,7 +9,7 @@
     int8.py   Int8   "int8"  per-block int8 with fp16 scales (KIVI-style)
 
 Adding a codec: a file here with a class implementing :class:`KVCodec` (a raw dtype is two
-lines on :class:`RawCodec`), and one ``register(...)`` line below. Every name that takes a
+lines on :class:`RawCodec`); below, its import and one ``register(...)`` line. Every name that takes a
 codec (``encode``, ``open_sender``, ``RouterConfig.codec``, ``--transfer-codec``) takes any
 registered name; the framing, checksum and HMAC around the payload do not change.
 

@@ -78,7 +78,7 @@ class KVCodec(Protocol):
     def encode(
         self, k: torch.Tensor, v: torch.Tensor, shape: KVShape, out: Mapping[str, torch.Tensor]
     ) -> None:
-        """Write ``k`` and ``v`` (CPU, floating, ``shape.full``) into the ``uint8`` sections ``out``."""
+        """Write ``k`` and ``v`` (CPU, floating, ``shape.full``) into the uint8 sections ``out``."""
         ...
 
     def decode(

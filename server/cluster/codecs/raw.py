@@ -45,6 +45,7 @@ class RawCodec:
     def decode(
         self, sections: Mapping[str, torch.Tensor], shape: KVShape, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k = view(sections["k"], self.wire, shape.full).to(dtype, copy=True)  # never alias the payload
+        # copies: never alias the payload
+        k = view(sections["k"], self.wire, shape.full).to(dtype, copy=True)
         v = view(sections["v"], self.wire, shape.full).to(dtype, copy=True)
         return k, v
