@@ -31,7 +31,8 @@ import statistics
 import time
 from pathlib import Path
 
-from server.cluster.codec import Codec, decode, encode, is_lossy
+from server.cluster import codecs
+from server.cluster.codec import decode, encode, is_lossy
 from server.cluster.handoff import Inbound, Outbound
 from server.engine.build import load_engine
 from server.engine.core import EngineConfig, EngineCore
@@ -65,12 +66,12 @@ def generate(core: EngineCore, batch: list[Prompt], tokens: int, prefix_codec: s
     return [out[str(i)] for i in range(len(batch))]
 
 
-def move(prefill: EngineCore, dec: EngineCore, prefix: list[int], codec: Codec, tid: str) -> tuple[int, int, str | None]:
+def move(prefill: EngineCore, dec: EngineCore, prefix: list[int], codec: str, tid: str) -> tuple[int, int, str | None]:
     """Prefill ``prefix`` on ``prefill`` and import the blocks ``dec`` lacks through ``codec``, as
     the router has the workers do; returns the payload bytes, the tokens moved and the namespace
     codec."""
     loop = asyncio.new_event_loop()
-    lossy = codec.value if is_lossy(codec, dec.kv.spec.dtype) else None
+    lossy = codec if is_lossy(codec, dec.kv.spec.dtype) else None
     try:
         inbound = Inbound.expect(dec, tid, prefix, salt="", prefix_codec=lossy, ttl=600)
         if inbound.num_blocks == 0:  # the decode side has it all (a shared system prompt)
@@ -121,8 +122,8 @@ def main() -> None:
     outputs = {"local": generate(loaded.with_config(cfg), batch, args.tokens, None)}
     print(f"  local: {time.perf_counter() - t:.1f} s")
     results: dict[str, dict] = {}
-    codecs = [Codec(c) for c in args.codecs.split(",")]
-    for codec in codecs:
+    names = [codecs.get(c).name for c in args.codecs.split(",")]  # any registered codec
+    for codec in names:
         t = time.perf_counter()
         prefill, dec = loaded.with_config(cfg), loaded.with_config(cfg)
         nbytes, moved, lossy = 0, 0, None
@@ -133,10 +134,9 @@ def main() -> None:
         got = generate(dec, batch, args.tokens, lossy)
         saved = sum(map(len, prefixes)) - (dec.stats.cached_prompt_tokens)
         assert saved == 0, f"{saved} prefix tokens were recomputed on the decode side"
-        outputs[codec.value] = got
-        results[codec.value] = {"payload_bytes_per_token": nbytes / max(1, moved), "lossy_namespace": lossy,
+        outputs[codec] = got
+        results[codec] = {"payload_bytes_per_token": nbytes / max(1, moved), "lossy_namespace": lossy,
                                 "seconds": time.perf_counter() - t}
-    names = [c.value for c in codecs]
     pairs = [(f"int8 vs {c}", "int8", c) for c in names if c != "int8" and "int8" in names]
     pairs += [(f"{c} vs local", c, "local") for c in names]
     for name, a, b in pairs:

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from server.cluster.codec import Codec, Frame, KVChunk, decode, encode
+from server.cluster import codecs
+from server.cluster.codec import Frame, KVChunk, decode, encode
 from server.cluster.transport import KVReceiver, open_sender
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16  # SmolLM2-135M
@@ -76,7 +77,7 @@ def make_kv(tokens: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
-def encode_all(k: torch.Tensor, v: torch.Tensor, codec: Codec) -> list[Frame]:
+def encode_all(k: torch.Tensor, v: torch.Tensor, codec: str) -> list[Frame]:
     step = CHUNK_BLOCKS * BLOCK
     return [
         encode(
@@ -99,7 +100,7 @@ def reconstruction(k: torch.Tensor, v: torch.Tensor, frames: list[Frame]) -> dic
     return res
 
 
-async def transfer(address: str, tid: str, codec: Codec, frames: list[Frame], key: bytes) -> tuple[float, int]:
+async def transfer(address: str, tid: str, codec: str, frames: list[Frame], key: bytes) -> tuple[float, int]:
     t0 = time.perf_counter()
     sender = await open_sender(address, tid, codec=codec, timeout=60, key=key)
     for frame in frames:
@@ -137,7 +138,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     frames = encode_all(k, v, codec)
                     encode_s.append(time.perf_counter() - t0)
                 payload = sum(len(f.payload) for f in frames)
-                if codec is not Codec.FP32 or source != torch.float32:
+                if codec != "fp32" or source != torch.float32:
                     errors[f"{codec}@{tokens}"] = reconstruction(k, v, frames)
                 for mode in args.transports:
                     address = f"{mode}://127.0.0.1:{port}"
@@ -235,7 +236,7 @@ def main() -> None:
     args.contexts = [int(c) for c in args.contexts.split(",")]
     if any(c % (CHUNK_BLOCKS * BLOCK) for c in args.contexts):
         ap.error(f"contexts must be multiples of {CHUNK_BLOCKS * BLOCK} tokens")
-    args.codecs = [Codec(c) for c in args.codecs.split(",")]
+    args.codecs = [codecs.get(c).name for c in args.codecs.split(",")]  # any registered codec
     args.transports = args.transports.split(",")
     res = asyncio.run(measure(args))
     res["settings"] = {
