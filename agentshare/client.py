@@ -45,7 +45,7 @@ class ServedAgent:
     """An agent the server serves: its decode module's kind and the prefill it shares."""
 
     name: str
-    kind: Literal["base", "lora", "full"]
+    kind: str  # the decode-module kind: "base", "lora", "full", or any kind the server registers
     family: str | None  # None: a private prefill (no manifest for this family); ``reason`` says why
     shares_prefill: bool
     placement: Literal["turn", "header"]

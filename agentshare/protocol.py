@@ -496,7 +496,7 @@ class GenerationChunk(_Response):
 class AgentInfo(_Response):
     name: str
     object: Literal["agent"] = "agent"
-    kind: Literal["base", "lora", "full"]
+    kind: str  # the decode-module kind: "base", "lora", "full", or any kind the server registers
     family: str | None  # the family whose prefill it shares; None: a private prefill
     shares_prefill: bool
     placement: Literal["turn", "header"]
