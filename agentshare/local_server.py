@@ -88,9 +88,9 @@ class LocalServer:
         cmd = [self.python, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         with os.fdopen(fd, "wb") as out:
             # Popen returns at once (fork + exec); preexec_fn only sets PR_SET_PDEATHSIG in the child
-            self.process = subprocess.Popen(  # noqa: ASYNC220
+            self.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
             )
         _live.add(self)
         deadline = time.monotonic() + self.startup_timeout

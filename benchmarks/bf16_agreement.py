@@ -38,11 +38,10 @@ stopped run), so figures can be recomputed over any subset of prompts and any sh
 
 from __future__ import annotations
 
-import math
-
 import argparse
 import hashlib
 import json
+import math
 import shutil
 import statistics
 import sysconfig

@@ -240,7 +240,7 @@ class Server:
     def __init__(self, args: list[str], port: int, log_path: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self._log = open(log_path, "wb")  # closed in stop
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "AGENTSHARE_ADMIN_KEY": ADMIN_KEY}
         self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
                                      cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
@@ -434,7 +434,7 @@ def run_arm(arm: str, model_dir: Path, modules: dict[str, Path], warm: list[Task
             out["modes"][str(inflight)] = mode
             for e in mode["errors"][:3]:
                 print(f"  [{arm}, {inflight} in flight] request error: {e}", file=sys.stderr)
-    except Exception as exc:  # noqa: BLE001 (an arm that fails is reported; the others still run)
+    except Exception as exc:  # an arm that fails is reported; the others still run
         out["error"] = f"{type(exc).__name__}: {exc}"
         print(f"  [{arm}] failed: {out['error']}\n--- server log tail ---\n{server.log_tail()}", file=sys.stderr)
     finally:

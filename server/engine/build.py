@@ -14,10 +14,10 @@ import torch
 
 from server.engine.core import EngineConfig, EngineCore
 from server.engine.forward import LlamaForward
+from server.engine.modules import base_module, load_module
 from server.engine.numerics import dtype_name, resolve_dtype, set_threads
 from server.kv.family import family_digest
 from server.models.loader import load_model
-from server.engine.modules import base_module, load_module
 
 
 def load_engine(

@@ -19,10 +19,10 @@ from enum import Enum
 import torch
 
 from server.engine.detokenize import TextStream
+from server.engine.modules import DecodeModule
 from server.engine.sampling import SamplingParams
 from server.kv.keys import Layout
 from server.kv.pool import PrefixMatch
-from server.engine.modules import DecodeModule
 from server.prompt import Prompt
 
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import hashlib
+from collections.abc import Callable
 
 import httpx
 import openai

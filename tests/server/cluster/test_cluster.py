@@ -232,7 +232,7 @@ def test_serve_disaggregated_starts_a_working_set_with_one_command_and_stops_it(
     from server.cluster.auth import SECRET_ENV, ClusterSecret
 
     port = free_port()
-    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115
+    log = open(tmp_path / "serve.log", "wb")
     env = {**os.environ, "AGENTSHARE_ADMIN_KEY": ADMIN_KEY, "AGENTSHARE_API_KEYS": " ".join(API_KEYS)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--disaggregated", "--prefill-workers", "1",

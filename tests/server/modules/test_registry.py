@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from server.engine.modules import load_module
 from server.engine.weights import ModelShape
 from server.modules.manifest import Manifest, ModuleKind
-from server.engine.modules import load_module
 from server.modules.registry import ModuleLoadError
 from server.prompt import Placement
 

@@ -8,10 +8,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from server.cli import app
+from server.engine.modules import load_module
 from server.engine.weights import ModelShape
 from server.kv.family import family_digest
 from server.modules.manifest import Manifest, ModuleKind
-from server.engine.modules import load_module
 from server.prompt import Placement
 from server.training import split as split_mod
 from server.training.dataset import write_jsonl
