@@ -63,6 +63,23 @@ def test_the_top_p_request_returns_promptly_and_both_decode_workers_stay_up(clus
         assert r.status_code == 200, r.text
 
 
+def test_penalties_cross_the_router_to_the_decode_worker(cluster: Running):
+    """The router sends a request's sampling parameters whole: a penalty changes the greedy
+    answer through the cluster as it does on one server (the same prompt as ``test_openai``'s,
+    where a repeat reward moves a token by the 6th step), and an unknown knob is refused there."""
+    body = {"model": "base", "messages": [{"role": "user", "content": "a a a a a a a a"}], "max_tokens": 16,
+            "temperature": 0, "ignore_eos": True}
+    answers = {}
+    for name, extra in (("plain", {}), ("repetition", {"repetition_penalty": 0.05}),
+                        ("presence", {"presence_penalty": -2.0}), ("frequency", {"frequency_penalty": -2.0})):
+        r, _ = post(cluster.url, {**body, **extra})
+        assert r.status_code == 200, r.text
+        answers[name] = r.json()["choices"][0]["message"]["content"]
+    assert all(answers[k] != answers["plain"] for k in ("repetition", "presence", "frequency")), answers
+    r, _ = post(cluster.url, {**body, "min_p": 0.1})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "min_p")
+
+
 @pytest.mark.timeout(240)  # a worker is killed and restarted (about 25 s on a loaded machine)
 def test_router_health_is_degraded_while_an_agent_has_no_decode_worker_up(cluster: Running):
     assert health(cluster.url) == {**health(cluster.url), "status": "ok", "reasons": []}
