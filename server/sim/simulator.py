@@ -181,18 +181,18 @@ class Simulator:
                     w.id, Role.PREFILL, c.family, self._tokens(m, req), w.queue_depth(now),
                     w.queued_tokens(now), 0, w.cache.occupancy(), w.profile.prefill_tok_s,
                 )
-                for w, m in zip(self.prefill, p_matches)
+                for w, m in zip(self.prefill, p_matches, strict=False)  # none for a foreign family
             ],
             decode=[
                 WorkerSnapshot(
                     w.id, Role.DECODE, c.family, self._tokens(m, req), w.queue_depth(),
                     w.queued_tokens(), w.batch(), w.cache.occupancy(), w.effective_prefill_tok_s(),
                 )
-                for w, m in zip(self.decode, d_matches)
+                for w, m in zip(self.decode, d_matches, strict=True)
             ],
             links=[
-                LinkSnapshot(i, l.bandwidth_bytes_s, l.latency_s, l.queued_bytes(now))
-                for i, l in enumerate(self.links)
+                LinkSnapshot(i, link.bandwidth_bytes_s, link.latency_s, link.queued_bytes(now))
+                for i, link in enumerate(self.links)
             ],
         )
         placement = place(

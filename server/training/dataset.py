@@ -195,12 +195,12 @@ def collate(items: Sequence[Encoded], pad_id: int, *, split: bool = True) -> Bat
     """
     ips = [it.ip if split else 0 for it in items]
     P = max(ips)
-    S = max(len(it.ids) - ip for it, ip in zip(items, ips))
+    S = max(len(it.ids) - ip for it, ip in zip(items, ips, strict=True))
     B = len(items)
     ids = torch.full((B, P + S), pad_id, dtype=torch.long)
     mask = torch.zeros((B, P + S), dtype=torch.long)
     labels = torch.full((B, S), -100, dtype=torch.long)
-    for r, (it, ip) in enumerate(zip(items, ips)):
+    for r, (it, ip) in enumerate(zip(items, ips, strict=True)):
         pre, suf = it.ids[:ip], it.ids[ip:]
         ids[r, P - len(pre):P] = torch.tensor(pre, dtype=torch.long)
         mask[r, P - len(pre):P] = 1

@@ -81,7 +81,7 @@ def answers(arms: Mapping[str, Arm], examples: Sequence[Example], tokenizer: Any
                     shared_prefix[arm.placement] = arm.model.prefix(batch)
                 cache = copy.deepcopy(shared_prefix[arm.placement])
             seqs = arm.model.generate(batch, max_new_tokens=max_new_tokens, eos_id=eos, cache=cache)
-            for i, seq in zip(idx, seqs):
+            for i, seq in zip(idx, seqs, strict=True):
                 results[name][i] = tokenizer.decode(seq, skip_special_tokens=True)
     for name in arms:
         out[name] = [results[name][i] for i in range(len(examples))]
@@ -126,7 +126,7 @@ def engine_answers(
 
 def accuracy(task: str, predictions: Sequence[str], examples: Sequence[Example]) -> list[bool]:
     """Per-example correctness (:func:`server.training.tasks.score`)."""
-    return [score(task, p, ex.response) for p, ex in zip(predictions, examples)]
+    return [score(task, p, ex.response) for p, ex in zip(predictions, examples, strict=True)]
 
 
 def paired_bootstrap(a: Sequence[bool], b: Sequence[bool], *, reps: int = 2000, seed: int = 0,
@@ -134,7 +134,7 @@ def paired_bootstrap(a: Sequence[bool], b: Sequence[bool], *, reps: int = 2000, 
     """Mean of ``a - b`` over paired examples, with a percentile bootstrap interval."""
     if len(a) != len(b) or not a:
         raise ValueError("paired samples must be non-empty and of equal length")
-    d = [int(x) - int(y) for x, y in zip(a, b)]
+    d = [int(x) - int(y) for x, y in zip(a, b, strict=True)]
     n = len(d)
     rng = random.Random(seed)
     means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(reps))

@@ -267,7 +267,7 @@ def _tools(rng: random.Random, n: int, table: list[str]) -> tuple[list[str], tup
               "currency": lambda: rng.choice(_CURRENCY)}
     args = {p: values[kind]() for p, kind in pnames}
     label = {"int": "number", "city": "city", "person": "person", "word": "topic", "currency": "currency"}
-    spoken = ", ".join(f"{label[kind]} {v}" for (p, kind), v in zip(pnames, args.values()))
+    spoken = ", ".join(f"{label[kind]} {v}" for (p, kind), v in zip(pnames, args.values(), strict=True))
     question = f"Call the tool to {description} ({spoken}). Reply with the JSON call only."
     return schemas, (question, json.dumps({"name": name, "arguments": args}))
 
