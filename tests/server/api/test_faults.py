@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from server.api.config import ServerConfig
-from server.engine import core as core_module
+from server.engine import output as output_module
 from server.engine.async_engine import AsyncEngine
 from tests.server.helpers import running_server
 
@@ -67,14 +67,14 @@ def test_the_issue_14_top_p_request_returns_promptly_and_the_server_serves_on(se
 
 def test_a_request_that_raises_in_the_engine_fails_alone_with_a_clear_error(served, monkeypatch):
     url, engine = served()
-    real = core_module.sample
+    real = output_module.sample
 
     def sample(logits, params, *args, **kw):  # raises for the request that asked for seed 4242
         if any(p.seed == 4242 for p in params):
             raise RuntimeError("injected sampler failure")
         return real(logits, params, *args, **kw)
 
-    monkeypatch.setattr(core_module, "sample", sample)
+    monkeypatch.setattr(output_module, "sample", sample)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         bad = pool.submit(chat, url, seed=4242, temperature=0.7)
         good = [pool.submit(chat, url, messages=[{"role": "user", "content": f"Count to {i}."}]) for i in (3, 5)]
@@ -92,14 +92,14 @@ def test_a_request_that_raises_in_the_engine_fails_alone_with_a_clear_error(serv
 def test_a_stuck_step_fails_its_request_health_says_degraded_and_the_server_recovers(served, monkeypatch):
     url, engine = served(step_timeout=0.5)
     release = threading.Event()
-    real = core_module.sample
+    real = output_module.sample
 
     def sample(logits, params, *args, **kw):  # the request with seed 777 hangs its step
         if any(p.seed == 777 for p in params):
             release.wait(60)
         return real(logits, params, *args, **kw)
 
-    monkeypatch.setattr(core_module, "sample", sample)
+    monkeypatch.setattr(output_module, "sample", sample)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             stuck = pool.submit(chat, url, seed=777, temperature=0.7)
