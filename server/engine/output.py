@@ -34,9 +34,8 @@ class OutputProcessor:
         """The next token of ``seq`` from its row of logits (raises on a failure of its own)."""
         if self.logits_hook is not None:
             self.logits_hook(seq.request_id, row)
-        p, n = seq.params, seq.prompt_len
-        penalized = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        history = [(seq.tokens[:n], seq.tokens[n:])] if penalized else None
+        n = seq.prompt_len
+        history = [(seq.tokens[:n], seq.tokens[n:])] if seq.params.penalized else None
         return sample(row[None], [seq.params], [seq.generator], [_forced(seq)], tokens=history)[0]
 
     def emit(self, seq: Sequence, out: Sampled, finish: Callable[[Sequence, FinishReason], TokenEvent]) -> TokenEvent:
