@@ -42,6 +42,7 @@ class Module:
 
 MODULES: dict[str, Module] = {
     "prompt": Module("server/prompt.py", ("tests/server/test_prompt.py",)),
+    "positions": Module("server/positions.py", ("tests/server/test_positions.py", "-k", "not engine")),
     "keys": Module("server/kv/keys.py", ("tests/server/kv/test_keys.py",)),
     "pool": Module("server/kv/pool.py",
                    ("tests/server/kv/test_pool.py", "tests/server/kv/test_pool_properties.py")),
