@@ -49,7 +49,7 @@ class AgentCard:
         return self.kind == "base"
 
     def info(self) -> AgentInfo:
-        return AgentInfo(name=self.name, kind=self.kind, family=self.family,  # type: ignore[arg-type]
+        return AgentInfo(name=self.name, kind=self.kind, family=self.family,
                          shares_prefill=self.shares_prefill, placement=self.placement,  # type: ignore[arg-type]
                          reason=self.reason)
 

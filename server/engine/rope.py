@@ -49,7 +49,7 @@ class Rope:
         if "original_max_position_embeddings" not in params and hasattr(
             config, "original_max_position_embeddings"
         ):
-            params["original_max_position_embeddings"] = config.original_max_position_embeddings  # type: ignore[attr-defined]
+            params["original_max_position_embeddings"] = config.original_max_position_embeddings
         return cls.from_config_dict(params, head_dim=head_dim)
 
     @classmethod

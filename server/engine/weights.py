@@ -130,7 +130,7 @@ class ModelWeights:
     def from_hf(cls, model: torch.nn.Module, *, dtype: torch.dtype | None = None) -> ModelWeights:
         """From a transformers ``*ForCausalLM`` (its tensors are shared when no cast is needed)."""
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        return cls.from_state_dict(model.config, state, dtype=dtype)  # type: ignore[arg-type]
+        return cls.from_state_dict(model.config, state, dtype=dtype)
 
     @classmethod
     def from_state_dict(

@@ -27,6 +27,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -52,7 +53,7 @@ class LoadedModel:
 
     @property
     def config(self) -> object:
-        return self.model.config  # type: ignore[attr-defined]
+        return self.model.config
 
 
 def default_gguf_path() -> Path:
@@ -164,8 +165,9 @@ def _load_checked(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> N
             f"unexpected {sorted(unexpected)}"
         )
     if tied:
-        model.tie_weights()
-        out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        hf: Any = model  # a transformers PreTrainedModel: nn.Module types these methods Tensor | Module
+        hf.tie_weights()
+        out, emb = hf.get_output_embeddings(), hf.get_input_embeddings()
         assert out is not None and out.weight.data_ptr() == emb.weight.data_ptr()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,8 +25,12 @@ from transformers import DynamicCache
 
 from server.training.dataset import Batch
 
+# a transformers *ForCausalLM: its submodules (.model, .lm_head, .model.layers) are attributes that
+# nn.Module types as Tensor | Module, so it is used untyped
+CausalLM = Any
 
-def _causal_lm(model: nn.Module) -> nn.Module:
+
+def _causal_lm(model: nn.Module) -> CausalLM:
     """The transformers *ForCausalLM under a peft wrapper (LoRA layers injected), or the model."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
@@ -53,11 +57,11 @@ class SplitModel:
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else nullcontext()
 
     @contextmanager
-    def _base_model(self) -> Iterator[nn.Module]:
+    def _base_model(self) -> Iterator[CausalLM]:
         if self.base is not None:
             yield _causal_lm(self.base)
         elif hasattr(self.module, "disable_adapter"):
-            with self.module.disable_adapter():
+            with cast(Any, self.module).disable_adapter():  # a peft model
                 yield _causal_lm(self.module)
         else:
             yield _causal_lm(self.module)

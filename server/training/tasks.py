@@ -282,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", default=".")
     for knob, default in ((f.name, f.default) for f in dataclasses.fields(Difficulty)):
         p.add_argument(f"--{knob.replace('_', '-')}", type=type(default), default=default,
-                       **({"choices": KEYS} if knob == "key" else {}))
+                       choices=KEYS if knob == "key" else None)
     a = p.parse_args(argv)
     diff = Difficulty(a.records, a.chains, a.chain_length, a.tools, a.key)
     from pathlib import Path

@@ -129,13 +129,13 @@ def finetune(cfg: FinetuneConfig) -> FinetuneResult:
     items = encode(examples, tokenizer, placement=cfg.placement, max_length=cfg.max_length)
 
     _seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(cfg.base, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(cfg.base, dtype=torch.float32)  # or its peft wrapper
     tuned = _tuned_layers(cfg, model.config.num_hidden_layers)
     base = None
     if cfg.kind is ModuleKind.LORA:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,
+        model = get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,  # type: ignore[arg-type]  # peft: int, a float scales too
                                                  target_modules=list(cfg.target_modules),
                                                  layers_to_transform=tuned, layers_pattern="layers" if tuned else None))
     elif cfg.kind is ModuleKind.FULL:

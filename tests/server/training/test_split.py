@@ -51,7 +51,7 @@ def test_module_weights_never_touch_the_prefix(models, smollm2_tokenizer, placem
     after = _layers(SplitModel(module).kv(batch))
     plain = _layers(SplitModel(base).kv(batch))  # the base alone computes the same prefix
     real = batch.attention_mask.bool()
-    for (k0, v0), (k1, v1), (kb, vb) in zip(before, after, plain):
+    for (k0, v0), (k1, v1), (kb, vb) in zip(before, after, plain, strict=True):
         assert torch.equal(k0[..., :P, :], k1[..., :P, :]) and torch.equal(v0[..., :P, :], v1[..., :P, :])
         assert torch.equal(k0[..., :P, :], kb[..., :P, :]) and torch.equal(v0[..., :P, :], vb[..., :P, :])
     # positions >= IP are the module's: every real suffix position changed (v of layer 0 too)
@@ -115,7 +115,7 @@ def test_partial_recompute_spans_shared_to_private(models, smollm2_tokenizer):
     batch = collate(items, 0)
     full = SplitModel(m1, recompute=1).prefix(batch)
     ref = SplitModel(m1).prefix(batch)
-    for i, (a, b) in enumerate(zip(full.layers, ref.layers)):
+    for i, (a, b) in enumerate(zip(full.layers, ref.layers, strict=True)):
         assert torch.equal(a.values, b.values) == (i < n - 1), i  # v_proj is adapted
 
 
@@ -134,7 +134,7 @@ def test_the_layer_split_keeps_the_lower_layers_the_base_s_at_every_position(tin
     batch = collate(encode(_rows(3), smollm2_tokenizer), 0)
     got, want = SplitModel(top, recompute=1).kv(batch), SplitModel(base).kv(batch)
     P = batch.prefix_len
-    for i, (a, b) in enumerate(zip(got.layers, want.layers)):
+    for i, (a, b) in enumerate(zip(got.layers, want.layers, strict=True)):
         if i < n - 1:
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), i
         else:
