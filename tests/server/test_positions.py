@@ -68,3 +68,9 @@ def test_the_engine_serves_by_the_rule(tiny_model_dir):
     core = load_engine(tiny_model_dir, dtype="float32")
     ip, lay = core._layout(core.modules["base"], PROMPT, "t", None)
     assert (ip, lay) == (50, positions.layout(core.modules["base"], 50, family=core.family, salt="t"))
+
+
+def test_the_default_tenant_and_a_one_token_shared_prefix():
+    assert positions.layout(lora(True), 35, family=FAMILY).family.salt == ""  # the single default tenant
+    one = positions.layout(lora(True), 1, family=FAMILY, prefix_codec="int8")
+    assert one.family.codec == "int8"  # position 0 was the base's, and it crossed the codec
