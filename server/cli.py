@@ -41,9 +41,9 @@ def _registered(registry: str, option: str) -> Callable[[str], str]:
     return parse
 
 
-_CODEC = {"parser": _registered("server.cluster.codecs", "--transfer-codec"), "metavar": "CODEC"}
-_PLACEMENT = {"parser": _registered("server.policy.placement", "--placement-policy"),
-              "metavar": "[" + "|".join(placement.names()) + "]"}
+_CODEC = _registered("server.cluster.codecs", "--transfer-codec")
+_PLACEMENT = _registered("server.policy.placement", "--placement-policy")
+_POLICIES = "[" + "|".join(placement.names()) + "]"
 
 
 @app.callback()
@@ -103,11 +103,11 @@ def serve(
     disaggregated: bool = typer.Option(False, help="run prefill and decode in worker processes, this one routes"),
     prefill_workers: int = typer.Option(1, help="with --disaggregated: prefill worker processes"),
     decode_workers: int = typer.Option(2, help="with --disaggregated: decode worker processes (agents dealt round-robin)"),
-    transfer_codec: str = typer.Option("bf16", **_CODEC, help="with --disaggregated: KV payload codec, "
+    transfer_codec: str = typer.Option("bf16", parser=_CODEC, metavar="CODEC", help="with --disaggregated: KV payload codec, "
                                        "a name registered in server/cluster/codecs (built in: fp32, bf16, "
                                        "int8; int8 puts moved blocks in the lossy namespace)"),
     transport: str = typer.Option("auto", help="with --disaggregated: shm, tcp, or auto (shm within a host)"),
-    placement_policy: str = typer.Option("offload", **_PLACEMENT, help="with --disaggregated: the "
+    placement_policy: str = typer.Option("offload", parser=_PLACEMENT, metavar=_POLICIES, help="with --disaggregated: the "
                                          "placement policy (registered in server/policy/placement.py)"),
     offload_threshold: int = typer.Option(256, help="with --disaggregated: offload prefills longer than this (tokens)"),
     bandwidth_aware: bool = typer.Option(True, help="with --disaggregated: keep a prefill local when moving its KV "
@@ -170,8 +170,8 @@ def router(
     host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
     model: Path | None = typer.Option(None, help="base model directory, for the tokenizer"),
     api_key: list[str] | None = typer.Option(None, envvar="AGENTSHARE_API_KEYS"),
-    transfer_codec: str = typer.Option("bf16", **_CODEC), transport: str = typer.Option("auto", help="shm, tcp or auto"),
-    placement_policy: str = typer.Option("offload", **_PLACEMENT),
+    transfer_codec: str = typer.Option("bf16", parser=_CODEC, metavar="CODEC"), transport: str = typer.Option("auto", help="shm, tcp or auto"),
+    placement_policy: str = typer.Option("offload", parser=_PLACEMENT, metavar=_POLICIES),
     offload_threshold: int = typer.Option(256), bandwidth_aware: bool = typer.Option(True),
     max_pinned_contexts: int = typer.Option(64, help="per tenant: shared contexts pinned at once; beyond: 429"),
     max_pinned_share: float | None = typer.Option(

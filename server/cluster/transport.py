@@ -250,7 +250,7 @@ class KVReceiver:
         _count(link, nbytes, seconds)
         try:
             await self.handler.on_open(transfer_id, frame.header)
-        except Exception as exc:  # noqa: BLE001 - any refusal goes back to the sender
+        except Exception as exc:  # any refusal goes back to the sender
             state.settle(ok=False)
             await _tell(writer, control("error", message=_describe(exc)), state.reply)
             return

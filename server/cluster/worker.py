@@ -39,8 +39,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from server.api.errors import ApiError
 from server.backend import EngineFacts, EngineSnapshot
-from server.cluster.auth import HEADER, ClusterSecret
 from server.cluster import codecs
+from server.cluster.auth import HEADER, ClusterSecret
 from server.cluster.codec import Frame, decode, encode, is_lossy
 from server.cluster.errors import CorruptPayload, TransferError
 from server.cluster.handoff import Inbound, Outbound

@@ -63,9 +63,12 @@ class KVCodec(Protocol):
     ``name``) block by block.
     """
 
-    name: str
-    """The codec's name: the CLI's ``--transfer-codec``, the ``codec`` of every ``open`` and
-    ``kv`` header, and the lossy namespace's codec. Lowercase letters, digits, ``. _ -``."""
+    @property
+    def name(self) -> str:
+        """The codec's name: the CLI's ``--transfer-codec``, the ``codec`` of every ``open`` and
+        ``kv`` header, and the lossy namespace's codec. Lowercase letters, digits, ``. _ -``
+        (a class attribute will do)."""
+        ...
 
     def is_lossy(self, source: torch.dtype) -> bool:
         """Whether KV of dtype ``source`` can come back different."""

@@ -106,7 +106,7 @@ def test_a_registered_codec_crosses_a_real_transfer(toy: Swapped) -> None:
     handler = Keep()
     asyncio.run(go(handler))
     assert handler.codec == "toy-swapped" and handler.error is None
-    assert [torch.equal(g.k, s.k) and torch.equal(g.v, s.v) for g, s in zip(handler.got, sent)] == [True, True]
+    assert [torch.equal(g.k, s.k) and torch.equal(g.v, s.v) for g, s in zip(handler.got, sent, strict=True)] == [True, True]
 
 
 def test_an_unregistered_codec_is_refused_on_the_wire(toy: Swapped) -> None:
