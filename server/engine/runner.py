@@ -14,23 +14,20 @@ the base's and with the modules' weights (``EngineStats``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from server.engine.batch import Chunk, SharedPrefix, plan_step
+from server.engine.config import EngineStats
 from server.engine.forward import LlamaForward
 from server.engine.kinds import kind_of
+from server.engine.modules import DecodeModule
 from server.engine.projection import LowRank, Projection, RowDeltaProjection
+from server.engine.scheduler import WorkItem
 from server.engine.sequence import Phase, Sequence
 from server.kv.storage import KVStorage
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-    from server.engine.core import EngineStats
-    from server.engine.modules import DecodeModule
-    from server.engine.scheduler import WorkItem
 
 
 class ModelRunner:

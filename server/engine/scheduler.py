@@ -21,17 +21,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
+from server.engine.config import EngineConfig, EngineStats
 from server.engine.kinds import kind_of
 from server.engine.sequence import Phase, Sequence
 from server.kv.keys import Layout
 from server.kv.pool import BlockPool, BlockState, PrefixMatch
 from server.kv.storage import KVStorage
 from server.prompt import Prompt
-
-if TYPE_CHECKING:
-    from server.engine.core import EngineConfig, EngineStats
 
 T = TypeVar("T")
 WorkItem = tuple[Sequence, int, int]

@@ -1,6 +1,7 @@
 """Decode-module kinds: how each kind is loaded and how the engine computes its rows.
 
-A kind is one file here with one class (see :class:`Kind`), registered by one line below. The
+A kind is one file here with one class (the :class:`~server.engine.kinds.api.Kind` protocol),
+registered by one line at the end of this file (and its name in the manifest's ``ModuleKind``). The
 engine never branches on a kind's name: it asks the module's kind.
 
 =========  ==========================================================  ==============
@@ -17,34 +18,10 @@ kind       rows from the invocation point on                           own forwa
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from server.engine.kinds import base, full, lora
+from server.engine.kinds.api import Kind, Loaded, Runner
 
-import torch
-
-from server.engine.weights import ModelShape
-
-if TYPE_CHECKING:
-    from server.engine.modules import DecodeModule
-    from server.engine.runner import ModelRunner
-
-
-class Kind(Protocol):
-    """One kind of decode module."""
-
-    name: str
-    """The kind's name in a module's manifest (``"lora"``)."""
-    own_forward: bool
-    """Its rows run in a forward of their own weights (False: inside the base's call)."""
-
-    def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype) -> Any:
-        """Read the module's weights from ``path`` (raise ``ModuleLoadError`` naming the file)."""
-        ...
-
-    def attach(self, runner: ModelRunner, module: DecodeModule) -> None:
-        """Make ``runner`` able to compute ``module``'s rows (register its weights)."""
-        ...
-
+__all__ = ["KINDS", "Kind", "Loaded", "Runner", "kind_of", "register"]
 
 KINDS: dict[str, Kind] = {}
 
@@ -64,8 +41,6 @@ def kind_of(name: str) -> Kind:
     except KeyError:
         raise ValueError(f"unknown decode-module kind {str(name)!r}; known: {sorted(KINDS)}") from None
 
-
-from server.engine.kinds import base, full, lora  # noqa: E402  (each registers itself)
 
 register(base.Base())
 register(lora.Lora())

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from server.engine.kinds.api import Loaded, Runner
 from server.engine.weights import ModelShape
-
-if TYPE_CHECKING:
-    from server.engine.modules import DecodeModule
-    from server.engine.runner import ModelRunner
 
 
 class Base:
@@ -21,5 +18,5 @@ class Base:
     def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype) -> Any:
         return None  # the engine's own weights
 
-    def attach(self, runner: ModelRunner, module: DecodeModule) -> None:
+    def attach(self, runner: Runner, module: Loaded) -> None:
         return None

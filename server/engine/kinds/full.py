@@ -4,16 +4,12 @@ of its own weights, apart from the base's call (the scheduler cuts chunks at the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from server.engine.kinds.api import Loaded, Runner
 from server.engine.weights import ModelShape, ModelWeights
 from server.modules.registry import ModuleLoadError
-
-if TYPE_CHECKING:
-    from server.engine.modules import DecodeModule
-    from server.engine.runner import ModelRunner
 
 
 class Full:
@@ -36,5 +32,5 @@ class Full:
             )
         return weights
 
-    def attach(self, runner: ModelRunner, module: DecodeModule) -> None:
+    def attach(self, runner: Runner, module: Loaded) -> None:
         runner.add_forward(module.name, module.weights)

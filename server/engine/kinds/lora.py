@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
 
+from server.engine.kinds.api import Loaded, Runner
 from server.engine.projection import LowRank
 from server.engine.weights import ModelShape
 from server.modules.registry import ModuleLoadError
-
-if TYPE_CHECKING:
-    from server.engine.modules import DecodeModule
-    from server.engine.runner import ModelRunner
 
 # peft target name -> (fused projection, which slice of its output)
 _TARGETS = {
@@ -59,11 +55,11 @@ class Lora:
                 raise ModuleLoadError(f"module {name!r}: unexpected tensor {key!r} in {weights_path}") from None
             pairs.setdefault((layer, target), {})[ab] = t
         deltas: Deltas = {}
-        for (layer, target), ab in sorted(pairs.items()):
-            if set(ab) != {"lora_A", "lora_B"} or not (0 <= layer < shape.num_layers):
+        for (layer, target), pair in sorted(pairs.items()):
+            if set(pair) != {"lora_A", "lora_B"} or not (0 <= layer < shape.num_layers):
                 raise ModuleLoadError(f"module {name!r}: incomplete or out-of-range adapter for layer {layer} {target}")
             fused, part = _TARGETS[target]
-            a, b = ab["lora_A"].to(dtype), ab["lora_B"].to(dtype)
+            a, b = pair["lora_A"].to(dtype), pair["lora_B"].to(dtype)
             # where the target's output sits inside the fused projection's output
             col = {"k": shape.q_size, "v": shape.q_size + shape.kv_size, "up": b.shape[0]}.get(part or "", 0)
             deltas.setdefault((layer, fused), []).append(LowRank(a=a, b=b, scale=scale, col=col))
@@ -71,5 +67,5 @@ class Lora:
             raise ModuleLoadError(f"module {name!r}: {weights_path} holds no LoRA tensors")
         return deltas
 
-    def attach(self, runner: ModelRunner, module: DecodeModule) -> None:
+    def attach(self, runner: Runner, module: Loaded) -> None:
         runner.add_deltas(module.name, module.weights)

@@ -1,0 +1,53 @@
+"""The engine's knobs (:class:`EngineConfig`) and counters (:class:`EngineStats`).
+
+>>> EngineConfig(block_size=16, max_step_tokens=256).share_prefill
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Engine knobs. ``share_prefill=False`` keys every cache by module, as engines do today
+    (the baseline arm of the benchmarks)."""
+
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30
+    max_step_tokens: int = 512
+    max_running: int = 64
+    max_waiting: int = 1024
+    share_prefill: bool = True
+    step_timeout: float = 60.0
+    """Seconds one step may run before the watchdog of :class:`AsyncEngine` fails its requests
+    and reports the engine degraded (vLLM's iteration timeout is 60 s too)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_step_tokens <= 0 or self.max_running <= 0:
+            raise ValueError("block_size, max_step_tokens and max_running must be positive")
+        if not self.step_timeout > 0:
+            raise ValueError(f"step_timeout must be a positive number of seconds, got {self.step_timeout}")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start; tokens, not blocks."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # not computed by their request: shared, cached or in flight
+    prefill_tokens: int = 0  # prompt positions computed
+    base_rows: int = 0  # positions computed with the base weights (prefill and decode)
+    module_rows: int = 0  # positions computed with a module's weights (LoRA or full)
+    decode_tokens: int = 0
+    steps: int = 0
+    finished: int = 0
+    replans: int = 0  # requests that re-planned after a block they awaited was abandoned
+    prefill_tok_s: float = 0.0  # measured: EWMA over steps that were mostly prefill (0: none yet)
+
+    def observe_step(self, rows: int, prefill_rows: int, seconds: float) -> None:
+        """Fold one step into the prefill-throughput estimate (placement policies read it)."""
+        if prefill_rows >= 32 and prefill_rows >= rows // 2 and seconds > 0:
+            rate = rows / seconds
+            self.prefill_tok_s = rate if not self.prefill_tok_s else 0.7 * self.prefill_tok_s + 0.3 * rate
