@@ -41,7 +41,7 @@ def serve(config: ServerConfig) -> None:
     core = load_engine(model_dir, modules=config.modules, dtype=config.dtype, threads=config.threads,
                        config=config.engine_config(), base_name=config.base_name)
     for name, m in core.modules.items():
-        log.info("agent", extra={"event": "agent", "agent": name, "kind": m.kind.value,
+        log.info("agent", extra={"event": "agent", "agent": name, "kind": str(m.kind),
                                  "shares_prefill": m.shares_prefill, "reason": m.reason})
     app = create_app(AsyncEngine(core), config, owns_engine=True)
     uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,

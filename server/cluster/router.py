@@ -42,6 +42,7 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from server import positions
 from server.api.errors import ApiError
 from server.backend import (
     AgentCard,
@@ -91,7 +92,7 @@ from server.policy import (
     placement,
 )
 from server.policy.offload import RouteDecision, Where
-from server.prompt import Placement, Prompt
+from server.prompt import Prompt
 
 log = logging.getLogger("agentshare.cluster")
 
@@ -275,7 +276,7 @@ class ClusterBackend:
     ) -> tuple[Member, str | None]:
         """Choose the decode worker and where its shared prefix comes from; start any transfer."""
         bs = self.facts.block_size
-        prefix = list(prompt.token_ids[: invocation_point(card, prompt) // bs * bs]) if card.shares_prefill else []
+        prefix = list(prompt.token_ids[: positions.shared_prefix_len(prompt, card, block_size=bs)])
         lossy = self._lossy_codec()
         prefill = self._alive("prefill") if prefix else []
         looked = await asyncio.gather(*(self._lookup(m, prefix, salt) for m in candidates + prefill))
@@ -515,16 +516,6 @@ class ClusterBackend:
             }
 
         return r
-
-
-def invocation_point(card: AgentCard, prompt: Prompt) -> int:
-    """The engine's rule (``EngineCore._layout``) from the router's side: where the module's own
-    positions start. The base computes everything; a foreign module too (IP 0)."""
-    if card.kind == "base":
-        return len(prompt.token_ids)
-    if not card.shares_prefill:
-        return 0
-    return prompt.invocation_point(Placement(card.placement))
 
 
 def _remote(response: httpx.Response) -> Exception:
