@@ -1,6 +1,6 @@
 """An agent: a name, the decode module it runs on, its instruction, its default sampling.
 
-Requests are laid out in the canonical order of DESIGN §2: the shared context first (computed
+Requests are laid out in the canonical order of docs/design.md §2: the shared context first (computed
 once by the base model), then the agent's own turn — its instruction and the prompt of this
 call, as one user message — computed by its decode module::
 

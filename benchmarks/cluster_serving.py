@@ -17,7 +17,7 @@ output tokens (``ignore_eos``); a task's 3 requests go out together and tasks ru
 another (closed loop; ``--inflight 1,2`` adds a mode with 2 tasks in flight). One warm-up task
 per arm is not measured. Every arm gets the same prompts.
 
-Measured as DESIGN §7 says: TTFT (to the first SSE chunk carrying a token), ITL, TPOT =
+Measured as docs/design.md §7 says: TTFT (to the first SSE chunk carrying a token), ITL, TPOT =
 (E2E - TTFT)/(output tokens - 1), E2E, with mean/p50/p90 (p95/p99 when there are >= 20
 samples); request and output-token throughput over the wall time; prompt tokens computed vs
 served from cache on each worker; KV blocks/bytes moved and the links' transfer seconds (from

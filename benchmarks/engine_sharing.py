@@ -3,7 +3,7 @@ N agents (different LoRA modules) on one shared context, shared prefill vs priva
 
 Both arms batch their decodes (continuous batching in one engine); they differ only in whether
 the base-computed prefix is shared across modules (``EngineConfig.share_prefill``). Beside each
-measured speed-up stands the prediction (N·P + D) / (P + D) of DESIGN §7, from P (one prefill
+measured speed-up stands the prediction (N·P + D) / (P + D) of docs/design.md §7, from P (one prefill
 of the shared context) and D (the N agents' own turns and batched decode, context cached),
 measured in the same run.
 

@@ -2,7 +2,7 @@
 
 Two clusters:
 
-- ``cpu``: 1 prefill + 3 decode workers with the measured SmolLM2-135M profile (DESIGN §5),
+- ``cpu``: 1 prefill + 3 decode workers with the measured SmolLM2-135M profile (docs/design.md §5),
   1 Gbit/s links, the Mooncake trace scaled down 16x (32-token blocks, first ``--cpu-limit``
   requests);
 - ``gpu``: 2 prefill (H100-class, 20k tok/s, 512 GiB HBM+DRAM KV store) + 6 decode (H20-class,

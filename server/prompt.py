@@ -1,4 +1,4 @@
-"""The canonical layout of a request, and where its invocation point falls (DESIGN §2).
+"""The canonical layout of a request, and where its invocation point falls (docs/design.md §2).
 
 Used alike by the engine, the API and the fine-tuning tool, so that a module is served with
 exactly the boundary it was trained with::

@@ -1,4 +1,4 @@
-"""From wire requests to engine prompts in the canonical layout (DESIGN §2).
+"""From wire requests to engine prompts in the canonical layout (docs/design.md §2).
 
 A chat request's shared context is every message but the last; the last is the agent's own
 turn, so any agent of the family asked about the same conversation shares its prefill. A

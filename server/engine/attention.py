@@ -6,7 +6,7 @@ exactly::
 
     l = log(sum_i exp(l_i))            o = sum_i exp(l_i - l) * o_i
 
-The engine uses up to three parts per query (DESIGN §4)::
+The engine uses up to three parts per query (docs/design.md §4)::
 
     positions:  0 ........ P-1 | P ....... start-1 | start ... start+n-1
                 shared prefix  | request's history | the new chunk

@@ -132,7 +132,7 @@ class EngineCore:
 
         ``prefix_codec`` names the lossy codec (e.g. ``"int8"``) its shared prefix crossed on the
         way here: the request then reads (and writes) the family's blocks in that codec's lossy
-        namespace, never the exact ones (DESIGN §2)."""
+        namespace, never the exact ones (docs/design.md §2)."""
         m = self.modules.get(module)
         if m is None:
             raise UnknownModule(module, list(self.modules))

@@ -1,4 +1,4 @@
-"""Compute dtype and thread budget of an engine process (DESIGN §4).
+"""Compute dtype and thread budget of an engine process (docs/design.md §4).
 
 bf16 where the hardware computes it natively (a CUDA device, or a CPU with AMX or AVX512-BF16:
 bf16 prefill ran ~3x faster than fp32 there), fp32 otherwise. Parity tests pin fp32.

@@ -4,7 +4,7 @@ Every matmul of the forward goes through a :class:`Projection`: ``project(x, lin
 name=)``, with ``x`` [T, in] the step's rows. The base projection is a plain ``F.linear``. A
 per-row adapter (LoRA) plugs in here without touching the model math: built per step from the
 rows' module ids — ``-1`` (base weights) for positions before a request's invocation point,
-the module's index from it on (DESIGN §2) — it adds its low-rank delta to the rows of each
+the module's index from it on (docs/design.md §2) — it adds its low-rank delta to the rows of each
 module only (:class:`RowDeltaProjection`).
 
 >>> import torch

@@ -2,7 +2,7 @@
 
 Each request owns a ``torch.Generator`` seeded from its seed (or from fresh entropy) and draws
 exactly one sample per step from it, whatever else is in the batch: a seeded request gives the
-same tokens alone and inside any batch (DESIGN §4).
+same tokens alone and inside any batch (docs/design.md §4).
 
 Per row, in order: penalties → temperature (0 = greedy) → top-k → top-p (nucleus) → sample.
 The penalties (as vLLM applies them, before the greedy argmax too) need the row's tokens so far:

@@ -1,4 +1,4 @@
-"""Prefill family: the content identity that decides who may share KV (DESIGN §2).
+"""Prefill family: the content identity that decides who may share KV (docs/design.md §2).
 
 Two models are in one family only if the base model would compute bit-identical KV for them:
 same weights, same tokenizer and chat template, same attention/RoPE configuration, same KV

@@ -10,7 +10,7 @@ agree. ``H`` is sha256 by default: stable across processes and machines (never P
 per-process ``hash()``), and collision-resistant. The pool still compares token ids on every hit,
 so even an injected weak digest cannot serve wrong KV (see ``tests/server/kv``).
 
-Namespaces (DESIGN §2) say *who computed* a block:
+Namespaces (docs/design.md §2) say *who computed* a block:
 
 ==========  =========================================  ==========================================
 kind        identity                                   served to

@@ -6,7 +6,7 @@ Written by the fine-tuning tool next to the module's weights as ``agentshare-mod
      "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, "training": {...}}
 
 A module joins a family's shared prefill *only* through a manifest naming that family's digest
-(DESIGN §2). A directory without a manifest, or with one naming another family, is still served
+(docs/design.md §2). A directory without a manifest, or with one naming another family, is still served
 — with a private prefill under its own key, never mixed.
 
 >>> m = Manifest(name="coder", kind=ModuleKind.LORA, family="ab" * 32,

@@ -9,7 +9,7 @@ A module directory holds its weights and, if it was trained for sharing, a manif
       adapter_model.safetensors     }   target_modules); read directly, no peft at serving time
       config.json + *.safetensors     kind "full": a fine-tuned copy of the base
 
-Who computes what (DESIGN §2):
+Who computes what (docs/design.md §2):
 
 ==========================================  ===============================================
 module                                      positions < IP            positions >= IP

@@ -1,6 +1,6 @@
 """Where a request's prefill runs: locally on its decode worker, or offloaded to the prefill pool.
 
-Prefill-as-a-Service's rule, with DESIGN §2's compatibility rule in front::
+Prefill-as-a-Service's rule, with docs/design.md §2's compatibility rule in front::
 
     module not in the cluster's family        -> LOCAL  private prefill      FOREIGN_MODULE
     incremental = prompt - decode-side cache

@@ -29,7 +29,7 @@ class Role(Enum):
 class RequestSnapshot:
     """What the policies need to know about one request.
 
-    ``family`` is the prefill family of the request's decode module (DESIGN §2), or None for a
+    ``family`` is the prefill family of the request's decode module (docs/design.md §2), or None for a
     module that joined no family (a *foreign* module: it gets a private prefill).
 
     >>> RequestSnapshot(id=7, module="coder", family="fam", prompt_tokens=4096).prompt_tokens

@@ -1,4 +1,4 @@
-"""What a simulated run reports, defined as ``vllm bench serve`` defines it (DESIGN §7).
+"""What a simulated run reports, defined as ``vllm bench serve`` defines it (docs/design.md §7).
 
 Per request: TTFT = first token - arrival; E2E = last token - arrival; TPOT = (E2E - TTFT) /
 (output tokens - 1) for requests with more than one output token. Throughput is over the span

@@ -9,7 +9,7 @@ The simulator has no model; every time it charges comes from a :class:`ServicePr
 
 Two profiles ship:
 
-``CPU_SMOLLM2_135M`` -- DESIGN §5, measured on this 2-core AVX-512/AMX box: SmolLM2-135M bf16
+``CPU_SMOLLM2_135M`` -- docs/design.md §5, measured on this 2-core AVX-512/AMX box: SmolLM2-135M bf16
 prefill ~2,000 tok/s; decode 20 tok/s at batch 1 and 60 tok/s at batch 4 (midpoints of 18-22
 and 54-67); KV 30 layers x 3 KV heads x 64 dims x 2 (K,V) x 2 bytes = 23,040 B/token
 (45 MiB per 2,048 tokens); 4 GiB of KV memory per worker (of 24 GiB).

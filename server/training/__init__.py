@@ -1,4 +1,4 @@
-"""Cache-conditioned fine-tuning of decode modules (DESIGN §2, issue 6).
+"""Cache-conditioned fine-tuning of decode modules (docs/design.md §2, issue 6).
 
 - :mod:`server.training.tasks`     offline generator of three agent tasks over one shared context
 - :mod:`server.training.dataset`   JSONL rows checked (errors name line and field), laid out, batched

@@ -95,7 +95,7 @@ def engine_answers(
 ) -> dict[str, list[str]]:
     """Greedy answers through the engine, by module name (``"base"`` too with ``include_base``).
 
-    The engine's dtype is part of the family (DESIGN §2): a module trained for a bf16 KV shares
+    The engine's dtype is part of the family (docs/design.md §2): a module trained for a bf16 KV shares
     the prefill only in a bf16 engine; in another it is served privately, as a foreign module.
     """
     from server.engine.build import load_engine

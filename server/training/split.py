@@ -1,4 +1,4 @@
-"""The split forward of DESIGN §2 in transformers: the base computes positions < IP, the module the rest.
+"""The split forward of docs/design.md §2 in transformers: the base computes positions < IP, the module the rest.
 
 This is the reference path for training and evaluating decode modules:
 

@@ -1,4 +1,4 @@
-"""Engine fixtures: the oracle a request is judged by (DESIGN §2)."""
+"""Engine fixtures: the oracle a request is judged by (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from server.sim import (
 
 
 def test_profiles_match_the_stated_figures() -> None:
-    assert CPU_SMOLLM2_135M.kv_bytes(2048) == 45 * 2**20  # DESIGN §5: 45 MiB per 2,048 tokens
+    assert CPU_SMOLLM2_135M.kv_bytes(2048) == 45 * 2**20  # docs/design.md §5: 45 MiB per 2,048 tokens
     assert CPU_SMOLLM2_135M.prefill_seconds(2048) == pytest.approx(1.024)
     assert CPU_SMOLLM2_135M.decode_step_seconds(1) == pytest.approx(1 / 20)
     assert CPU_SMOLLM2_135M.decode_step_seconds(4) == pytest.approx(4 / 60)
