@@ -185,7 +185,11 @@ class AsyncEngine:
 
         def sink(event: TokenEvent) -> None:
             if event.finish_reason is not None:
-                loop.call_soon_threadsafe(lambda: final.done() or final.set_result(event))
+                loop.call_soon_threadsafe(finish, event)
+
+        def finish(event: TokenEvent) -> None:
+            if not final.done():
+                final.set_result(event)
 
         def add(core: EngineCore) -> None:
             core.add_context(context_id, token_ids, ttl=ttl, salt=salt)
@@ -211,7 +215,11 @@ class AsyncEngine:
         await self.run(lambda core: self._hooks.append(hook))
 
     async def remove_step_hook(self, hook: Callable[[EngineCore], None]) -> None:
-        await self.run(lambda core: hook in self._hooks and self._hooks.remove(hook))
+        def remove(core: EngineCore) -> None:
+            if hook in self._hooks:
+                self._hooks.remove(hook)
+
+        await self.run(remove)
 
     def close(self) -> None:
         """Stop the thread; requests still running end with a cancellation."""

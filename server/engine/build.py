@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from server.engine.core import EngineConfig, EngineCore
+from server.engine.detokenize import Decoder
 from server.engine.forward import LlamaForward
 from server.engine.modules import base_module, load_module
 from server.engine.numerics import dtype_name, resolve_dtype, set_threads
@@ -44,7 +46,7 @@ def load_engine(
         if name in table:
             raise ValueError(f"module name {name!r} is used twice")
         table[name] = load_module(path, name=name, family=family, shape=forward.weights.shape, dtype=dt)
-    tok = loaded.tokenizer
+    tok = cast(Decoder, loaded.tokenizer)  # a transformers tokenizer
     eos = {t for t in (getattr(tok, "eos_token_id", None),) if t is not None}
     gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
     eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])

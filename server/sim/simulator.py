@@ -143,7 +143,7 @@ class Simulator:
             elif b == self.decode[a].version:  # ITER, not superseded
                 self._iteration_done(now, self.decode[a])
         records = [self._records[r.id] for r in requests]
-        caches = [w.cache for w in (*self.prefill, *self.decode)]
+        caches = [w.cache for w in self.prefill] + [w.cache for w in self.decode]
         summary = summarize(records)
         return SimResult(
             records,

@@ -1,4 +1,4 @@
-"""The engine core against the oracle of DESIGN §2, on tiny random models with the real
+"""The engine core against the oracle of docs/design.md §2, on tiny random models with the real
 SmolLM2 tokenizer and chat template, in fp32."""
 
 from __future__ import annotations
@@ -119,14 +119,17 @@ def test_three_modules_on_one_long_prompt_run_the_shared_part_through_the_base_o
         real_forward = core.forward
 
         class Counting:  # counts every row that goes through the base weights' forward
+            def __init__(self, real_forward, base_rows):
+                self.real_forward, self.base_rows = real_forward, base_rows
+
             def __getattr__(self, name):
-                return getattr(real_forward, name)
+                return getattr(self.real_forward, name)
 
             def __call__(self, plan, kv, projection=None):
-                base_rows.append(plan.num_tokens)
-                return real_forward(plan, kv, projection=projection)
+                self.base_rows.append(plan.num_tokens)
+                return self.real_forward(plan, kv, projection=projection)
 
-        core.forward = Counting()
+        core.forward = Counting(real_forward, base_rows)
         for n in "abc":
             core.add_request(n, n, prompts[n], SamplingParams(temperature=0, max_tokens=2))
         drain(core)
