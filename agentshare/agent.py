@@ -45,7 +45,7 @@ class Sampling:
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise TypeError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
-        given = {k: (tuple([v] if isinstance(v, str) else v) if k == "stop" and v is not None else v)
+        given: dict[str, Any] = {k: (tuple([v] if isinstance(v, str) else v) if k == "stop" and v is not None else v)
                  for k, v in overrides.items() if v is not None}
         return dataclasses.replace(self, **given)
 

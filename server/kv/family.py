@@ -33,6 +33,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from server import paths
 
@@ -115,7 +116,7 @@ def family_parts(
     )
 
 
-def config_digest(config: dict) -> str:
+def config_digest(config: dict[str, Any]) -> str:
     kept = {k: v for k, v in config.items() if k not in COSMETIC_CONFIG_KEYS}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -176,9 +177,10 @@ class _DigestCache:
     def __init__(self, directory: Path) -> None:
         self.path = directory / "digests.json"
 
-    def _load(self) -> dict:
+    def _load(self) -> dict[str, Any]:
         try:
-            return json.loads(self.path.read_text())
+            loaded: dict[str, Any] = json.loads(self.path.read_text())
+            return loaded
         except (OSError, ValueError):
             return {}  # absent or corrupt: recompute
 
@@ -190,7 +192,8 @@ class _DigestCache:
     def get(self, file: Path) -> dict[str, str] | None:
         entry = self._load().get(str(file.resolve()))
         if entry and entry.get("stamp") == self._stamp(file):
-            return entry["tensors"]
+            tensors: dict[str, str] = entry["tensors"]
+            return tensors
         return None
 
     def put(self, file: Path, tensors: dict[str, str]) -> None:

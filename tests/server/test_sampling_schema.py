@@ -74,7 +74,7 @@ def test_a_request_through_the_spec_and_the_message_keeps_every_knob() -> None:
 
 
 def test_a_worker_refuses_a_sampling_field_it_does_not_know() -> None:
-    with pytest.raises(ValidationError, match="unknown sampling field.*min_p"):
+    with pytest.raises(ValidationError, match=r"unknown sampling field.*min_p"):
         SamplingFields.model_validate({"max_tokens": 3, "min_p": 0.1})
     with pytest.raises(ValidationError, match="presence_penalty"):
         SamplingFields.model_validate({"max_tokens": 3, "presence_penalty": 9})

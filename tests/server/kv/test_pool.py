@@ -111,7 +111,7 @@ def test_lru_evicts_least_recently_used_and_chain_tails_first():
 
 def test_capacity_under_pressure_is_a_typed_error_that_changes_nothing():
     pool = BlockPool(4, 16)
-    _, held = serve(pool, A, release=False)  # 2 held
+    _, _held = serve(pool, A, release=False)  # 2 held
     serve(pool, B)  # 2 evictable
     before = pool.usage()
     with pytest.raises(PoolExhausted) as err:
@@ -148,7 +148,7 @@ def test_pins_expire_after_their_ttl(clock):
 
 def test_usage_reports_bytes():
     pool = BlockPool(4, 16, bytes_per_block=1000)
-    _, held = serve(pool, A, release=False)
+    _, _held = serve(pool, A, release=False)
     serve(pool, B)
     u = pool.usage()
     assert (u.bytes_held, u.bytes_cached) == (2000, 2000)

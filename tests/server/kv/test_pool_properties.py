@@ -121,7 +121,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), ttl=st.sampled_from([1.0, 5.0]))
     def pin(self, data, ttl):
-        ids, contents, partial = self.requests[data.draw(st.integers(0, len(self.requests) - 1))]
+        ids, contents, _partial = self.requests[data.draw(st.integers(0, len(self.requests) - 1))]
         cached = ids[: len(contents)]
         pin = self.pool.pin(cached, ttl=ttl)
         for c in contents:

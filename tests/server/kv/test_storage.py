@@ -18,7 +18,7 @@ def test_budget_sizes_the_pool_and_dtype_sizes_the_block():
 
 def test_block_views_are_in_place_and_slots_address_blocks():
     store = KVStorage(SPEC, num_blocks=4, block_size=16)
-    k, v = store.block_view(1, first_block=2, num_blocks=2)
+    k, _v = store.block_view(1, first_block=2, num_blocks=2)
     k.fill_(1.0)
     assert k.data_ptr() == store.k[1][:, 32:].data_ptr()
     assert store.k[1][:, 32:].eq(1).all() and store.k[1][:, :32].eq(0).all()

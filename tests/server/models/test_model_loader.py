@@ -43,7 +43,7 @@ def test_tiny_model_dir_loads_with_the_real_chat_template(tiny_model_dir: Path) 
 
 
 def test_not_a_model_dir_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(tmp_path)
 
 
