@@ -151,7 +151,7 @@ def agreement(bf16: EngineCore, fp32: EngineCore, *, prompts: int, tokens: int, 
             while c.has_work:
                 toks += [e.token_id for e in c.step() if e.token_id is not None]
             outs.append(toks)
-        n = next((k for k, (a, b) in enumerate(zip(*outs)) if a != b), tokens)
+        n = next((k for k, (a, b) in enumerate(zip(*outs, strict=False)) if a != b), tokens)
         same.append(n)
     return {"prompts": prompts, "tokens": tokens, "identical_prompts": sum(n == tokens for n in same),
             "mean_matching_prefix": statistics.mean(same), "matching_prefix": same}

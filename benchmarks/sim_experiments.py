@@ -214,7 +214,7 @@ def plot(results: dict[str, dict[str, list[Row]]], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4))
-    for ax, (name, res) in zip(axes, results.items()):
+    for ax, (name, res) in zip(axes, results.items(), strict=True):
         for aware in (False, True):
             pts = [r for r in res["threshold"] if r["bw_aware"] == aware and r["threshold"] != "never"]
             ax.plot([max(r["threshold"], 1) for r in pts], [r["ttft_p90"] for r in pts], "o-",
@@ -226,7 +226,7 @@ def plot(results: dict[str, dict[str, list[Row]]], out: Path) -> list[Path]:
         ax.legend()
     paths.append(_save(fig, out / "sim_threshold.png"))
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4))
-    for ax, (name, res) in zip(axes, results.items()):
+    for ax, (name, res) in zip(axes, results.items(), strict=True):
         for arm in dict.fromkeys(r["arm"] for r in res["bandwidth"]):
             pts = [r for r in res["bandwidth"] if r["arm"] == arm]
             ax.plot([r["gbit"] for r in pts], [r["ttft_p90"] for r in pts], "o-", label=arm)
