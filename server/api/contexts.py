@@ -198,7 +198,8 @@ class ContextStore:
         except PromptTooLong as exc:
             raise from_engine(exc, prompt_param=param) from exc
         if done.finish_reason is not FinishReason.PREFILLED:
-            raise ApiError(503, f"the context's prefill ended with {done.finish_reason.value}",
+            reason = done.finish_reason.value if done.finish_reason is not None else "no finish reason"
+            raise ApiError(503, f"the context's prefill ended with {reason}",
                            type="service_unavailable")
         assert done.usage is not None
         return done.usage

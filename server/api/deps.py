@@ -14,7 +14,7 @@ from server.backend import AgentCard
 
 
 def server_state(request: Request) -> ServerState:
-    return request.app.state.server  # type: ignore[no-any-return]
+    return request.app.state.server
 
 
 def tenant(request: Request) -> Tenant:

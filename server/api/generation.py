@@ -137,7 +137,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-async def collect(events: AsyncIterator[ChoiceEvent], on_event: Callable[[ChoiceEvent], None]) -> None:
-    """Drain ``events`` into ``on_event`` (for non-streamed responses)."""
+async def collect(events: AsyncIterator[ChoiceEvent], on_event: Callable[[ChoiceEvent], object]) -> None:
+    """Drain ``events`` into ``on_event`` (for non-streamed responses), each checked first (:func:`check_finish`)."""
     async for item in events:
+        check_finish(item.event)
         on_event(item)

@@ -110,7 +110,7 @@ async def generate(context_id: str, body: GenerateRequest, request: Request,
         primed = await until_disconnect(request, prime(events))
         return event_stream(_generation_chunks(primed, head, request))
     acc = Choices(n_per_prompt=1, total=1)
-    await until_disconnect(request, collect(events, lambda item: (check_finish(item.event), acc.add(item))))
+    await until_disconnect(request, collect(events, acc.add))
     st = acc.states[0]
     assert st.usage is not None
     note(request, cached_tokens=st.usage.cached_tokens, completion_tokens=st.usage.completion_tokens)
@@ -128,7 +128,7 @@ async def _generation_chunks(events: AsyncIterator[ChoiceEvent], head: dict[str,
             if usage is not None:
                 note(request, cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens)
             yield sse(GenerationChunk(text=ev.text, token_ids=[] if ev.token_id is None else [ev.token_id],
-                                      finish_reason=finish_of(ev.finish_reason), usage=usage, **head))
+                                      finish_reason=finish_of(ev.finish_reason), usage=usage, **head))  # type: ignore[arg-type]
         yield DONE
     except ApiError as err:
         yield sse_error(err)

@@ -77,12 +77,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
         primed = await until_disconnect(request, prime(events))
         return event_stream(_chat_chunks(primed, Choices(n_per_prompt=n, total=n), head, tt, body.include_usage, request))
     acc = Choices(n_per_prompt=n, total=n)
-    await until_disconnect(request, collect(events, lambda item: (check_finish(item.event), acc.add(item))))
+    await until_disconnect(request, collect(events, acc.add))
     choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(st.text)),
                           finish_reason=finish_of(st.finish) or "stop",
                           logprobs=tt.chat(st.events) if tt else None) for i, st in enumerate(acc.states)]
     usage = _logged_usage(request, acc)
-    return ChatCompletion(choices=choices, usage=usage, **head)
+    return ChatCompletion(choices=choices, usage=usage, **head)  # type: ignore[arg-type]
 
 
 async def _chat_chunks(events: AsyncIterator[ChoiceEvent], acc: Choices, head: dict[str, object],
@@ -135,7 +135,7 @@ async def completions(body: CompletionRequest, request: Request, who: Caller) ->
     if body.stream:
         primed = await until_disconnect(request, prime(events))
         return event_stream(_completion_chunks(primed, acc, head, tt, body.include_usage, request))
-    await until_disconnect(request, collect(events, lambda item: (check_finish(item.event), acc.add(item))))
+    await until_disconnect(request, collect(events, acc.add))
     choices = [CompletionChoice(index=i, text="".join(st.text), finish_reason=finish_of(st.finish) or "stop",
                                 logprobs=tt.completion(st.events) if tt else None) for i, st in enumerate(acc.states)]
     usage = _logged_usage(request, acc)
