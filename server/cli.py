@@ -8,11 +8,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from server.policy import placement
+
+if TYPE_CHECKING:  # imported where used: the commands load only what they run
+    from server.cluster.auth import ClusterSecret
+    from server.cluster.router import RouterConfig
 
 app = typer.Typer(
     name="agentshare",
@@ -203,7 +207,7 @@ def cluster_secret(path: Annotated[Path, typer.Argument(help="file to create (mo
     typer.echo(f"wrote a cluster secret to {path} (mode 0600); copy it to each host over a secure channel")
 
 
-def _secret(path: Path | None) -> object:
+def _secret(path: Path | None) -> ClusterSecret:
     from server.cluster.auth import ClusterSecret
 
     try:
@@ -227,7 +231,7 @@ def _admin_key(path: Path | None) -> str | None:
 
 
 def _router_config(codec: str, transport: str, threshold: int, bandwidth_aware: bool = True,
-                   placement_policy: str = "offload") -> object:
+                   placement_policy: str = "offload") -> RouterConfig:
     from server.cluster.router import RouterConfig
     from server.policy import OffloadPolicy
 

@@ -100,7 +100,7 @@ class LocalCluster:
         self.config, self.log_dir = config, log_dir
         self.secret = secret or ClusterSecret.generate()
         self._procs: list[_Process] = []
-        for i, spec in enumerate(specs):
+        for spec in specs:
             port = spec.port or free_port(config.host)
             url = f"http://{config.host}:{port}"
             args = [sys.executable, "-m", "server.cli", "worker", "--role", spec.role, "--host", config.host,
@@ -138,7 +138,7 @@ class LocalCluster:
         environ = {**os.environ, "OMP_NUM_THREADS": str(p.spec.threads), **p.spec.env, **self.secret.env()}
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            p.log = open(self.log_dir / f"worker-{index}-{p.spec.role}.log", "ab")  # noqa: SIM115 (closed in stop)
+            p.log = open(self.log_dir / f"worker-{index}-{p.spec.role}.log", "ab")  # closed in stop
         p.proc = subprocess.Popen(p.args, env=environ, stdout=p.log, stderr=subprocess.STDOUT if p.log else None,
                                   preexec_fn=die_with_parent)
 
@@ -274,7 +274,7 @@ def serve_disaggregated(
     for i, s in enumerate(specs):
         log.info("plan", extra={"event": "plan", "worker": i, "role": s.role, "agents": ",".join(s.modules) or "base",
                                 "threads": s.threads, "cpus": ",".join(map(str, s.cpus)) or "shared"})
-    worker_config = ServerConfig(**{**_fields(config), "modules": {}, "threads": None, "host": worker_host})
+    worker_config = replace(config, modules={}, threads=None, host=worker_host)
     cluster = LocalCluster(specs, worker_config, chunk_blocks=chunk_blocks)
     # uvicorn re-raises the SIGTERM it caught once it has shut down; with the default handler
     # that kills this process before the workers are stopped. Exit through Python instead.
@@ -294,7 +294,3 @@ def _router_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _fields(config: ServerConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in ServerConfig.__dataclass_fields__}

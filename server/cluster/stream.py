@@ -27,6 +27,7 @@ class ClusterStream:
         self.finished = False
         self._tokens = 0
         self._lines: AsyncIterator[str] | None = None
+        self._closing: asyncio.Future[None] | None = None  # cancel's close, referenced until done
 
     def __aiter__(self) -> ClusterStream:
         return self
@@ -67,4 +68,4 @@ class ClusterStream:
     def cancel(self) -> None:
         if not self.finished:
             self.finished = True
-            asyncio.ensure_future(self._response.aclose())  # the worker sees the disconnect and frees the KV
+            self._closing = asyncio.ensure_future(self._response.aclose())  # the worker sees the disconnect and frees the KV

@@ -67,7 +67,7 @@ class Seal:
     (True, False)
     """
 
-    __slots__ = ("_key", "direction", "transfer", "count")
+    __slots__ = ("_key", "count", "direction", "transfer")
 
     def __init__(self, key: bytes, direction: bytes) -> None:
         if len(key) < 16:

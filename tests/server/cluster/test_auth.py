@@ -24,7 +24,7 @@ def test_a_secret_file_round_trips_and_only_its_owner_may_read_it(tmp_path: Path
     with pytest.raises(FileExistsError):
         made.write(path)  # never over an existing one
     path.chmod(0o644)
-    with pytest.raises(ValueError, match="readable by others.*chmod 600"):
+    with pytest.raises(ValueError, match=r"readable by others.*chmod 600"):
         ClusterSecret.from_file(path)
     with pytest.raises(ValueError, match="cannot read"):
         ClusterSecret.from_file(tmp_path / "missing")

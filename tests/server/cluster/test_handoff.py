@@ -145,7 +145,7 @@ def test_only_what_the_decode_side_lacks_is_expected(loaded, smollm2_tokenizer):
     inbound = Inbound.expect(dec, "t1", prefix, salt="", prefix_codec=None, ttl=60)
     assert inbound.first_block == 2 and inbound.num_blocks == len(prefix) // 16 - 2
     prefill = fresh(loaded)
-    items, out = export_all(prefill, prefix, first_block=2)
+    items, _out = export_all(prefill, prefix, first_block=2)
     assert items[0].first_block == 2
     for chunk in items[:-1]:
         inbound.write(dec, chunk)

@@ -237,7 +237,7 @@ def test_a_stalled_receiver_applies_back_pressure(mode: str) -> None:
 
     async def body(receiver: KVReceiver, handler: Recorder) -> None:
         sender = await open_sender(receiver.address(mode), "t1", codec=Codec.BF16, key=KEY, timeout=0.3)
-        with pytest.raises(TransferTimeout, match="within 0.3s|for 0.3s"):
+        with pytest.raises(TransferTimeout, match=r"within 0\.3s|for 0\.3s"):
             for _ in range(30):
                 await sender.send(frame)
         assert sender.stats.frames < 30
