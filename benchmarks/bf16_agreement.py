@@ -302,16 +302,19 @@ def summarize(records: Iterable[Mapping], tokens: int) -> dict:
 LOGIT_STEP = 0.125  # one bf16 step at the scale of these logits (|logit| in [16, 32))
 
 
-def regressions(got: Mapping, recorded: Mapping, *, positions: int) -> list[str]:
+def regressions(got: Mapping, recorded: Mapping, *, positions: int, sigmas: float = 0.0) -> list[str]:
     """Each figure of ``got`` more than 2x worse than in ``recorded`` (both from ``summarize``
     over the same prompts and tokens): disagreements and logit differences twice as large (a
-    recorded zero counts as one position, or one bf16 step), greedy outputs parting twice as early."""
+    recorded zero counts as one position, or one bf16 step), greedy outputs parting twice as early.
+    Disagreements may exceed twice the recorded count by ``sigmas`` Poisson standard deviations
+    (``sqrt(got + recorded)``): a recording from another CPU flips other positions."""
     worse = []
     for setting, mods in got.items():
         for m, pairs in mods.items():
             for pair, g in pairs.items():
                 r, where = recorded[setting][m][pair], f"{setting} {m} {pair}"
-                if 1 - g["top1_agreement"] > 2 * max(1 - r["top1_agreement"], 1 / positions):
+                g_n, r_n = (1 - g["top1_agreement"]) * positions, (1 - r["top1_agreement"]) * positions
+                if g_n - 2 * max(r_n, 1.0) > sigmas * math.sqrt(g_n + r_n) + 1e-9:
                     worse.append(f"{where}: top-1 agreement {g['top1_agreement']:.4f}, "
                                  f"recorded {r['top1_agreement']:.4f}")
                 if g["mean_first_divergence"] < r["mean_first_divergence"] / 2:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "benchmarks" / "recorded" / "bf16_agreement.json"
 PROMPTS, TOKENS = 4, 16
 SIGMAS = 2.0
-"""Room for noise in the shared-vs-cold check: on 64 positions, which ones bf16 flips differs
+"""Room for noise in the disagreement checks (shared vs cold, and against the recording): on 64 positions, which ones bf16 flips differs
 between CPUs (one host gave shared~cold 2 vs cold~fp32 1, another 0 vs 1); the full recorded
 run (3,200 positions per row) holds with no room at all."""
 
@@ -58,7 +58,7 @@ def test_the_checks_catch_a_worse_run(bench) -> None:
                     seq[4:] = [t + 1 for t in seq[4:]]
     worse = bench.summarize(broken, TOKENS)
     assert bench.sharing_worse_than_bf16(worse, sigmas=SIGMAS)
-    found = bench.regressions(worse, ref, positions=PROMPTS * TOKENS)
+    found = bench.regressions(worse, ref, positions=PROMPTS * TOKENS, sigmas=SIGMAS)
     assert any("shared~cold: top-1" in w for w in found) and any("shared~cold: greedy" in w for w in found)
 
 
@@ -83,5 +83,5 @@ def test_no_figure_is_more_than_twice_worse_than_recorded(bench, measured) -> No
         "the prompts differ from the recorded ones (another Python's stdlib?): rerun "
         "python benchmarks/bf16_agreement.py --json benchmarks/recorded/bf16_agreement.json")
     got, ref = bench.summarize(measured, TOKENS), bench.summarize(old, TOKENS)
-    worse = bench.regressions(got, ref, positions=PROMPTS * TOKENS)
+    worse = bench.regressions(got, ref, positions=PROMPTS * TOKENS, sigmas=SIGMAS)
     assert not worse, "\n".join([*worse, bench.table(got, PROMPTS, TOKENS)])
