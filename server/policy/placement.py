@@ -26,18 +26,17 @@ server.policy.placement.UnknownPolicy: unknown placement policy 'round-robin'; r
 
 from __future__ import annotations
 
-import re
-from typing import Any, Protocol
+from typing import Protocol
 
 from server.policy import offload
 from server.policy.offload import OffloadPolicy, RouteDecision
 from server.policy.snapshot import ClusterSnapshot, RequestSnapshot
+from server.registry import Registry, UnknownName
 
 DEFAULT = "offload"
 """The policy :func:`place` (and the router, and the simulator) use unless told otherwise."""
 
 _KNOBS = OffloadPolicy()
-_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
 class PlacementPolicy(Protocol):
@@ -53,47 +52,20 @@ class PlacementPolicy(Protocol):
     ) -> RouteDecision: ...
 
 
-_POLICIES: dict[str, PlacementPolicy] = {}
-
-
-class UnknownPolicy(ValueError):
+class UnknownPolicy(UnknownName):
     """A placement policy name nothing is registered under; the message lists the ones that are."""
+
+
+POLICIES = Registry[PlacementPolicy]("placement policy", plural="policies", error=UnknownPolicy,
+                                     hint="add one with server.policy.placement.register")
 
 
 def register(name: str, policy: PlacementPolicy, *, replace: bool = False) -> PlacementPolicy:
     """Make ``policy`` usable as ``name``; returns it. A taken name needs ``replace``."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(
-            f"a placement policy's name is lowercase letters, digits, '.', '_' or '-', got {name!r}"
-        )
-    if name in _POLICIES and not replace:
-        raise ValueError(
-            f"placement policy {name!r} is already registered; pass replace=True to replace it"
-        )
-    _POLICIES[name] = policy
-    return policy
+    return POLICIES.register(name, policy, replace=replace)
 
 
-def unregister(name: str) -> None:
-    """Forget the policy registered as ``name`` (tests' toy policies)."""
-    get(name)
-    del _POLICIES[name]
-
-
-def get(name: Any) -> PlacementPolicy:
-    """The policy registered as ``name``; :class:`UnknownPolicy` (a ValueError) if none is."""
-    policy = _POLICIES.get(name) if isinstance(name, str) else None
-    if policy is None:
-        raise UnknownPolicy(
-            f"unknown placement policy {name!r}; registered policies: {', '.join(_POLICIES)} "
-            "(add one with server.policy.placement.register)"
-        )
-    return policy
-
-
-def names() -> tuple[str, ...]:
-    """Registered policy names, in registration order."""
-    return tuple(_POLICIES)
+get, names, unregister = POLICIES.get, POLICIES.names, POLICIES.unregister
 
 
 def place(

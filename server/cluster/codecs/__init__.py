@@ -26,59 +26,27 @@ server.cluster.codecs.UnknownCodec: unknown codec 'fp8'; registered codecs: fp32
 
 from __future__ import annotations
 
-import re
-from typing import Any
-
 from server.cluster.codecs.base import KVCodec, KVShape, view
 from server.cluster.codecs.bf16 import BF16
 from server.cluster.codecs.fp32 import FP32
 from server.cluster.codecs.int8 import Int8
 from server.cluster.codecs.raw import RawCodec
-
-_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
-_CODECS: dict[str, KVCodec] = {}
+from server.registry import Registry, UnknownName
 
 
-class UnknownCodec(ValueError):
+class UnknownCodec(UnknownName):
     """A codec name that no codec is registered under; the message lists the registered ones."""
+
+
+CODECS = Registry[KVCodec]("codec", error=UnknownCodec, hint="add one with server.cluster.codecs.register")
 
 
 def register(codec: KVCodec, *, replace: bool = False) -> KVCodec:
     """Make ``codec`` usable under ``codec.name``; returns it. A taken name needs ``replace``."""
-    name = getattr(codec, "name", None)
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(
-            f"a codec's name is lowercase letters, digits, '.', '_' or '-', got {name!r}"
-        )
-    if name in _CODECS and not replace:
-        raise ValueError(
-            f"codec {name!r} is already registered ({type(_CODECS[name]).__name__}); "
-            "pass replace=True to replace it"
-        )
-    _CODECS[name] = codec
-    return codec
+    return CODECS.register(getattr(codec, "name", None), codec, replace=replace)  # type: ignore[arg-type]
 
 
-def unregister(name: str) -> None:
-    """Forget the codec registered under ``name`` (tests' toy codecs)."""
-    get(name)
-    del _CODECS[name]
-
-
-def get(name: Any) -> KVCodec:
-    """The codec registered under ``name``; :class:`UnknownCodec` (a ValueError) if none is."""
-    codec = _CODECS.get(name) if isinstance(name, str) else None
-    if codec is None:
-        raise UnknownCodec(
-            f"unknown codec {name!r}; registered codecs: {', '.join(_CODECS)} "
-            "(add one with server.cluster.codecs.register)"
-        )
-    return codec
-
-
-def names() -> tuple[str, ...]:
-    """Registered codec names, in registration order."""
-    return tuple(_CODECS)
+get, names, unregister = CODECS.get, CODECS.names, CODECS.unregister
 
 
 register(FP32())
@@ -87,6 +55,7 @@ register(Int8())
 
 __all__ = [
     "BF16",
+    "CODECS",
     "FP32",
     "Int8",
     "KVCodec",

@@ -20,26 +20,19 @@ from __future__ import annotations
 
 from server.engine.kinds import base, full, lora
 from server.engine.kinds.api import Kind, Loaded, Runner
+from server.registry import Registry
 
 __all__ = ["KINDS", "Kind", "Loaded", "Runner", "kind_of", "register"]
 
-KINDS: dict[str, Kind] = {}
+KINDS = Registry[Kind]("decode-module kind", hint="add one with server.engine.kinds.register")
 
 
 def register(kind: Kind) -> Kind:
-    """Add a kind (its name must be new)."""
-    if kind.name in KINDS:
-        raise ValueError(f"module kind {kind.name!r} is registered twice")
-    KINDS[kind.name] = kind
-    return kind
+    """Add a kind under its ``name`` (which must be new)."""
+    return KINDS.register(kind.name, kind)
 
 
-def kind_of(name: str) -> Kind:
-    """The registered kind called ``name``; a clear error naming the known ones otherwise."""
-    try:
-        return KINDS[str(name)]
-    except KeyError:
-        raise ValueError(f"unknown decode-module kind {str(name)!r}; known: {sorted(KINDS)}") from None
+kind_of = KINDS.get
 
 
 register(base.Base())
