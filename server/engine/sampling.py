@@ -138,12 +138,12 @@ class SamplingParams:
         """
         given = {k: v for k, v in spec if v is not None}
         given.setdefault("max_tokens", default_max_tokens)
-        if given.get("temperature", 1.0) < GREEDY_BELOW:
+        if "temperature" in given and given["temperature"] < GREEDY_BELOW:
             given["temperature"] = 0.0
         if "top_p" in given:
             given["top_p"] = max(given["top_p"], MIN_TOP_P)
-        if given.get("top_k", 0) < 0:
-            given["top_k"] = 0
+        if "top_k" in given:
+            given["top_k"] = max(given["top_k"], 0)
         return cls(**given)
 
     @property
@@ -219,8 +219,9 @@ def _choose(row: torch.Tensor, p: SamplingParams, g: torch.Generator | None,
 
 def _penalize(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
     """A sanitized row with the penalties applied. A finite logit stays finite (clamped to the
-    float32 range: a division by a tiny penalty cannot make a ``+inf``), a ``-inf`` one stays
-    ``-inf``, so every rule of the sanitized row still holds. Token ids outside the row are ignored.
+    row dtype's range: a division by a tiny penalty cannot make a ``+inf``; a zero stays zero), a
+    ``-inf`` one stays ``-inf``, so every rule of the sanitized row still holds. Token ids outside
+    the row are ignored. The penalties are computed in the row's dtype.
 
     >>> row = torch.tensor([2.0, -2.0, 1.0, 4.0])
     >>> _penalize(row, SamplingParams(repetition_penalty=2.0), [0], [1]).tolist()
@@ -240,8 +241,9 @@ def _penalize(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], outpu
     if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
         counts = torch.bincount(out, minlength=vocab).to(row.dtype)
         new = new - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
-    big = torch.finfo(row.dtype).max
-    return torch.where(torch.isfinite(row), new.nan_to_num(nan=0.0).clamp(-big, big), row)
+    # nan_to_num: an overflow to +-inf becomes the dtype's largest finite value, and the one NaN a
+    # finite logit can give (0 times a repetition penalty that is inf in float32, such as 1e300) is 0
+    return torch.where(torch.isfinite(row), new.nan_to_num(), row)
 
 
 def _real(value: object) -> bool:

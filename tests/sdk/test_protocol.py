@@ -20,6 +20,7 @@ from agentshare.protocol import (
     GenerateRequest,
     SamplingSpec,
     Usage,
+    _Sampling,
 )
 
 USER = {"role": "user", "content": "hi"}
@@ -163,6 +164,11 @@ def test_chat_logprobs_are_the_top_logprobs_count_only_when_asked() -> None:
     assert chat(logprobs=False, top_logprobs=4).sampling().logprobs is None
     assert chat(top_logprobs=4).sampling().logprobs is None
     assert chat(max_tokens=9).sampling().max_tokens == 9
+
+
+def test_a_request_type_without_a_logprobs_field_asks_for_none() -> None:
+    assert _Sampling().logprob_count() is None
+    assert _Sampling(max_tokens=3).sampling() == SamplingSpec(max_tokens=3)
 
 
 def test_the_spec_refuses_a_field_the_engine_does_not_have() -> None:

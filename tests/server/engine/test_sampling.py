@@ -3,7 +3,7 @@ import torch
 
 from agentshare.protocol import SamplingSpec
 from server.engine.errors import InvalidRequest
-from server.engine.sampling import SamplingParams, sample
+from server.engine.sampling import SamplingParams, _penalize, sample
 
 VOCAB = 50
 
@@ -188,6 +188,47 @@ def test_the_repetition_penalty_reads_the_prompt_and_multiplies_negative_logits(
     assert greedy([-1.0, -3.0, -2.4], ([0], []), repetition_penalty=2.5) == 2
     assert greedy([-1.0, -3.0], ([1], []), repetition_penalty=0.2) == 1  # below 1 rewards a repeat: -0.6
     assert greedy([1.0, 3.0], ([1, 1, 1], [1, 1]), repetition_penalty=2.0) == 1  # once, not per occurrence
+
+
+def test_the_repetition_penalty_divides_every_positive_logit_even_below_1():
+    assert greedy([0.5, 0.4], ([0], []), repetition_penalty=2.0) == 1  # 0.5 / 2 < 0.4
+    assert greedy([0.5, 0.4], ([0], []), repetition_penalty=1.2) == 0  # 0.5 / 1.2 > 0.4
+    assert greedy([1.0, 0.6], ([], [0]), repetition_penalty=2.0) == 1  # an output token counts
+
+
+@pytest.mark.parametrize(("penalties", "generated", "token"), [
+    ({"frequency_penalty": 1.0}, [1, 1], 0),  # 3 - 2 == 1: a tie, the first wins
+    ({"presence_penalty": 1.0, "repetition_penalty": 1.5}, [1], 0),  # 3 / 1.5 - 1 == 1
+    ({"frequency_penalty": 1.0, "repetition_penalty": 2.0}, [1], 0),  # 3 / 2 - 1 < 1
+])
+def test_each_penalty_applies_at_1_or_2_alone_or_after_the_repetition_penalty(penalties, generated, token):
+    assert greedy([1.0, 3.0], ([], generated), **penalties) == token
+
+
+def test_penalties_are_computed_in_the_rows_dtype():
+    p = SamplingParams(frequency_penalty=0.1, presence_penalty=0.3)
+    got = _penalize(torch.zeros(3, dtype=torch.float64), p, [], [0, 0, 0, 1])
+    assert got.dtype == torch.float64
+    assert got.tolist() == [0.0 - 0.1 * 3 - 0.3, 0.0 - 0.1 - 0.3, 0.0]  # float64, no float32 rounding
+    half = _penalize(torch.zeros(3, dtype=torch.float16), p, [], [0, 1])
+    assert half.dtype == torch.float16
+
+
+@pytest.mark.parametrize("repetition", [1e4, 1e300, 1e-4, 1e-300])  # 1e300 / 1e-300: inf / 0 in float32
+def test_a_finite_logit_stays_finite_and_minus_inf_stays_under_any_repetition_penalty(repetition):
+    big = torch.finfo(torch.float32).max
+    row = torch.tensor([-3e38, 3e38, 0.0, -1.0, 2.0, float("-inf")])
+    got = _penalize(row, SamplingParams(repetition_penalty=repetition), [0, 1, 2, 3, 4, 5], [])
+    assert torch.isfinite(got[:5]).all() and got[5] == float("-inf")
+    assert got[2] == 0.0  # 0 times an infinite penalty is no NaN
+    if repetition > 1:
+        assert got[0] == -big and got[3] < -1.0 and 0.0 <= got[4] < 2.0  # clamped, not -inf
+    else:
+        assert got[1] == big and got[4] > 2.0 and -1.0 < got[3] <= 0.0  # clamped, not +inf
+
+
+def test_a_finite_logit_pushed_past_float32_still_beats_minus_inf():
+    assert greedy([float("-inf"), -3e38], ([1], []), repetition_penalty=10.0) == 1
 
 
 def test_frequency_and_presence_penalties_ignore_the_prompt():
