@@ -125,7 +125,10 @@ def test_frequency_and_presence_penalties_follow_their_formula_and_logprobs_stay
     plain = chat_raw(client, **kw).choices[0].logprobs.content  # type: ignore[union-attr]
     f, p = -0.5, -0.6  # rewards: the tiny model repeats nothing by itself
     steps = chat_raw(client, frequency_penalty=f, presence_penalty=p, **kw).choices[0].logprobs.content  # type: ignore[union-attr]
-    assert [(t.token, t.logprob) for t in steps[0].top_logprobs] == [(t.token, t.logprob) for t in plain[0].top_logprobs]
+    # the same tokens and logprobs; equal up to float rounding, since the second request reads the
+    # first one's cached prompt blocks and computes only the rest (another summation order)
+    assert [t.token for t in steps[0].top_logprobs] == [t.token for t in plain[0].top_logprobs]
+    assert [t.logprob for t in steps[0].top_logprobs] == pytest.approx([t.logprob for t in plain[0].top_logprobs], abs=1e-4)
     counts: dict[str, int] = {}
     moved = 0
     for step in steps:  # type: ignore[union-attr]
