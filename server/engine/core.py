@@ -321,4 +321,5 @@ class EngineCore:
         self.scheduler.remove(seq)
         seq.phase, seq.finish_reason = Phase.FINISHED, reason
         self.stats.finished += 1
-        return TokenEvent(seq.request_id, None, "", finish_reason=reason, usage=seq.usage(), error=error)
+        return TokenEvent(seq.request_id, None, "", finish_reason=reason, usage=seq.usage(), error=error,
+                          timeline=seq.timeline())

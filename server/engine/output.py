@@ -57,7 +57,8 @@ class OutputProcessor:
         if reason is None:
             return event
         end = finish(seq, reason)
-        return TokenEvent(seq.request_id, out.token_id, text, out.logprob, out.top_logprobs, reason, end.usage)
+        return TokenEvent(seq.request_id, out.token_id, text, out.logprob, out.top_logprobs, reason, end.usage,
+                          timeline=end.timeline)
 
 
 def _forced(seq: Sequence) -> int | None:

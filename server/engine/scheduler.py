@@ -19,6 +19,7 @@ share a chunk. No request is preempted: admission reserves all it will need.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
@@ -101,7 +102,7 @@ class Scheduler:
         seq.match, seq.pending = match, match.pending
         seq.num_computed = seq.cached_tokens = match.num_cached_tokens
         seq.num_committed_blocks = len(match.block_ids)
-        seq.phase = Phase.PREFILL
+        seq.phase, seq.admitted_at = Phase.PREFILL, time.monotonic()
         self.stats.cached_prompt_tokens += seq.cached_tokens
         return True
 

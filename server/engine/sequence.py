@@ -49,6 +49,35 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class Timeline:
+    """Where one request's time went and where its prompt's KV came from (on its final event).
+
+    Times are seconds from its arrival in the engine that generated it; a router adds its own
+    part (``route``, ``route_s``, ``prefill``, the transfer) with :func:`dataclasses.replace`.
+    ``computed + reused + imported`` is the prompt.
+
+    >>> t = Timeline(queue_s=0.5, ttft_s=0.75, e2e_s=1.0, decode_steps=3, computed_tokens=4, reused_tokens=12)
+    >>> t.route, t.prefill, t.imported_tokens, t.transfer_bytes
+    ('colocated', 'local', 0, 0)
+    """
+
+    queue_s: float  # arrival to admission (its KV reserved); to the end if it never was admitted
+    ttft_s: float | None  # arrival to its first token (None: it generated none)
+    e2e_s: float  # arrival to its end
+    decode_steps: int  # tokens after the first (each one a decode step; the first ends the prefill)
+    computed_tokens: int  # prompt tokens this engine computed
+    reused_tokens: int  # prompt tokens read from this engine's own cache (shared, cached, in flight)
+    imported_tokens: int = 0  # prompt tokens whose KV came over a link from a prefill worker
+    prefill: str = "local"  # where its shared prefix was prefilled: "local", or the prefill worker's URL
+    route: str = "colocated"  # the router's placement reason ("colocated": no router)
+    route_s: float = 0.0  # seconds the router took to place it, before this engine saw it
+    remote_computed_tokens: int = 0  # of the imported tokens, those the prefill worker computed for it
+    transfer_bytes: int = 0  # KV bytes moved for it over the link
+    transfer_s: float = 0.0  # seconds those frames took on the link
+    transfer_codec: str | None = None  # their payload codec (None: no transfer)
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One engine output for one request: a token (with its final text delta) and/or the end."""
 
@@ -60,6 +89,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    timeline: Timeline | None = None  # on the final event of a request that reached the engine
 
 
 @dataclass(eq=False)
@@ -76,6 +106,7 @@ class Sequence:
     capacity: int  # positions reserved: prompt + max_tokens, capped at the model's context
     pin_ttl: float | None = None  # a shared context: pin its blocks this long, generate nothing
     arrival: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None  # when its KV was reserved (the last time, after a re-plan)
     phase: Phase = Phase.WAITING
     tokens: list[int] = field(default_factory=list)  # prompt then generated
     blocks: list[int] = field(default_factory=list)
@@ -103,3 +134,12 @@ class Sequence:
 
     def usage(self) -> Usage:
         return Usage(self.prompt_len, self.cached_tokens, self.num_generated)
+
+    def timeline(self, now: float | None = None) -> Timeline:
+        """Its timeline, ending ``now`` (default: this instant)."""
+        end = time.monotonic() if now is None else now
+        first = None if self.first_token_time is None else self.first_token_time - self.arrival
+        queued = (self.admitted_at if self.admitted_at is not None else end) - self.arrival
+        return Timeline(queue_s=queued, ttft_s=first, e2e_s=end - self.arrival,
+                        decode_steps=max(0, self.num_generated - 1),
+                        computed_tokens=self.prompt_len - self.cached_tokens, reused_tokens=self.cached_tokens)

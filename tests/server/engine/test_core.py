@@ -3,6 +3,7 @@ SmolLM2 tokenizer and chat template, in fp32."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import pytest
@@ -286,3 +287,28 @@ def test_prefill_throughput_is_measured_on_prefill_steps_only():
     assert s.prefill_tok_s == pytest.approx(1024.0)
     s.observe_step(rows=512, prefill_rows=512, seconds=1.0)
     assert s.prefill_tok_s == pytest.approx(0.7 * 1024 + 0.3 * 512)
+
+
+def test_a_request_queued_behind_a_full_pool_reports_its_wait_in_its_timeline(tiny_model_dir, smollm2_tokenizer):
+    first = chat_prompt(smollm2_tokenizer, CONTEXT, turn("First."))
+    other = [{"role": "user", "content": "Other notes: " + " ".join(f"entry {i} reads {i * 5 % 11}." for i in range(40))}]
+    second = chat_prompt(smollm2_tokenizer, other, turn("Second."))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    probe, _ = engine(tiny_model_dir)
+    bs = probe.config.block_size
+    need = [math.ceil((len(p.token_ids) + params.max_tokens) / bs) for p in (first, second)]
+    core, _ = engine(tiny_model_dir, kv_cache_bytes=probe.kv.bytes_per_block * max(need))
+    assert max(need) <= core.pool.capacity < sum(need)  # one fits, not both: the second waits
+    core.add_request("a", "base", first, params)
+    core.add_request("b", "base", second, params)
+    events = drain(core)
+    a, b = (events[r][-1].timeline for r in ("a", "b"))
+    assert a is not None and b is not None
+    assert a.queue_s < a.e2e_s < b.queue_s  # b was admitted only once a had freed its blocks
+    for t, ev, prompt in ((a, events["a"][-1], first), (b, events["b"][-1], second)):
+        assert ev.usage is not None and t.ttft_s is not None
+        assert 0 <= t.queue_s <= t.ttft_s <= t.e2e_s
+        assert t.decode_steps == ev.usage.completion_tokens - 1 == 3
+        assert (t.computed_tokens, t.reused_tokens) == (len(prompt.token_ids) - ev.usage.cached_tokens,
+                                                         ev.usage.cached_tokens)
+        assert (t.route, t.prefill, t.imported_tokens, t.transfer_bytes) == ("colocated", "local", 0, 0)
