@@ -88,8 +88,11 @@ def report(on: tuple[ForkResult, float, ServerMetrics], off: tuple[ForkResult, f
     saved = m_off.prefill_computed_tokens - m_on.prefill_computed_tokens
     rows = [
         ("", "sharing on", "sharing off"),
+        ("prompt tokens", f"{m_on.prompt_tokens:,}", f"{m_off.prompt_tokens:,}"),
         ("prefill tokens computed", f"{m_on.prefill_computed_tokens:,}", f"{m_off.prefill_computed_tokens:,}"),
+        ("  of which by prefill workers", f"{m_on.exported_tokens:,}", f"{m_off.exported_tokens:,}"),
         ("prompt tokens read from cache", f"{m_on.prefill_cached_tokens:,}", f"{m_off.prefill_cached_tokens:,}"),
+        ("  of which moved over a link", f"{m_on.imported_tokens:,}", f"{m_off.imported_tokens:,}"),
         ("wall time, s (prefill + 3 agents)", f"{w_on:.2f}", f"{w_off:.2f}"),
         ("mean time to first token, s", f"{_mean_ttft(r_on):.2f}", f"{_mean_ttft(r_off):.2f}"),
         ("tokens generated", f"{sum(a.usage.completion_tokens for a in r_on)}",

@@ -77,11 +77,21 @@ class EngineFacts:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSnapshot:
     """The engine's counters and gauges at one instant (taken on the engine thread; a cluster
-    backend sums its workers')."""
+    backend sums its workers': every token counter has one meaning, so the sums count no token
+    twice; see :class:`~server.engine.config.EngineStats` for the identities).
+
+    >>> s = EngineSnapshot(prompt_tokens=100, cached_prompt_tokens=64, imported_prompt_tokens=48,
+    ...                    prefill_tokens=100, exported_prefill_tokens=64)
+    >>> s.computed_prompt_tokens, s.reused_prompt_tokens, s.imported_prompt_tokens
+    (36, 16, 48)
+    """
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    imported_prompt_tokens: int = 0
     prefill_tokens: int = 0
+    exported_prefill_tokens: int = 0
+    exported_cached_tokens: int = 0
     decode_tokens: int = 0
     finished: int = 0
     hit_blocks: int = 0
@@ -98,11 +108,23 @@ class EngineSnapshot:
     running: int = 0
     contexts: int = 0
 
+    @property
+    def computed_prompt_tokens(self) -> int:
+        """Prompt tokens of the requests served here that their engine computed (role decode)."""
+        return self.prefill_tokens - self.exported_prefill_tokens
+
+    @property
+    def reused_prompt_tokens(self) -> int:
+        """Prompt tokens read from the serving engine's own pool (shared, cached, in flight)."""
+        return self.cached_prompt_tokens - self.imported_prompt_tokens
+
     @classmethod
     def of(cls, core: EngineCore) -> EngineSnapshot:
         s, p, u = core.stats, core.pool.stats, core.pool.usage()
         return cls(
             prompt_tokens=s.prompt_tokens, cached_prompt_tokens=s.cached_prompt_tokens,
+            imported_prompt_tokens=s.imported_prompt_tokens, exported_prefill_tokens=s.exported_prefill_tokens,
+            exported_cached_tokens=s.exported_cached_tokens,
             prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, finished=s.finished,
             hit_blocks=p.hit_blocks, miss_blocks=p.miss_blocks, inflight_hit_blocks=p.inflight_hit_blocks,
             cross_module_hit_blocks=p.cross_module_hit_blocks, evictions=p.evictions,

@@ -3,7 +3,16 @@
 Engine counters are read at scrape time from a snapshot taken on the engine thread; latency
 histograms are observed by the API as tokens stream out::
 
-    agentshare_prefill_tokens_total{source="computed"|"cached"}   prompt tokens computed vs served
+    agentshare_prompt_tokens_total              prompt tokens, once per request, where it is served
+    agentshare_prefix_tokens_total{role, source}
+        role="decode": the requests served here (a decode worker's, the colocated server's, shared
+            contexts); source="computed" | "reused" (this pool: shared, cached, in flight) |
+            "imported" (KV that arrived over a link, on its first read). Their sum is
+            agentshare_prompt_tokens_total.
+        role="prefill": prefills run for a request another worker serves (a prefill worker's
+            transfer jobs, not requests): source="computed" | "reused". Never in the prompt tokens.
+    agentshare_prefill_tokens_total{source="computed"|"cached"}   positions computed here (both
+        roles: all the prefill work) vs prompt tokens not computed by their engine (reused + imported)
     agentshare_cache_blocks_total{outcome="hit"|"miss"|"inflight_hit"|"cross_module_hit"}
     agentshare_kv_evictions_total, agentshare_kv_blocks{state=...}, agentshare_kv_bytes_held
     agentshare_requests_waiting, agentshare_requests_running, agentshare_contexts_pinned
@@ -12,9 +21,14 @@ histograms are observed by the API as tokens stream out::
     agentshare_requests_total{endpoint, status}, agentshare_rejected_requests_total{reason}
 
 >>> m = Metrics()
->>> m.update(EngineSnapshot(prefill_tokens=30, cached_prompt_tokens=70))
+>>> m.update(EngineSnapshot(prompt_tokens=100, prefill_tokens=30, cached_prompt_tokens=70))
 >>> b'agentshare_prefill_tokens_total{source="cached"} 70.0' in m.render()
 True
+>>> b'agentshare_prefix_tokens_total{role="decode",source="reused"} 70.0' in m.render()
+True
+
+A router sums its workers' snapshots (:meth:`server.cluster.router.ClusterBackend.snapshot`):
+each counter has one meaning, so the sums hold the same identities cluster-wide.
 """
 
 from __future__ import annotations
@@ -37,12 +51,24 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
-        prefill = CounterMetricFamily("agentshare_prefill_tokens", "Prompt tokens: computed by prefill, "
-                                      "or served from the cache (shared, cached or in flight)", labels=["source"])
+        prefill = CounterMetricFamily("agentshare_prefill_tokens", "Prompt positions computed here (every role), "
+                                      "or prompt tokens served without computing (reused or imported)",
+                                      labels=["source"])
         prefill.add_metric(["computed"], s.prefill_tokens)
         prefill.add_metric(["cached"], s.cached_prompt_tokens)
         yield prefill
-        yield CounterMetricFamily("agentshare_prompt_tokens", "Prompt tokens received", value=s.prompt_tokens)
+        yield CounterMetricFamily("agentshare_prompt_tokens", "Prompt tokens, once per request, where it is "
+                                  "served", value=s.prompt_tokens)
+        prefix = CounterMetricFamily("agentshare_prefix_tokens", "Prompt positions by role (decode: requests "
+                                     "served here; prefill: for a request served elsewhere) and by where their "
+                                     "KV came from", labels=["role", "source"])
+        for role, source, v in (("decode", "computed", s.computed_prompt_tokens),
+                                ("decode", "reused", s.reused_prompt_tokens),
+                                ("decode", "imported", s.imported_prompt_tokens),
+                                ("prefill", "computed", s.exported_prefill_tokens),
+                                ("prefill", "reused", s.exported_cached_tokens)):
+            prefix.add_metric([role, source], v)
+        yield prefix
         yield CounterMetricFamily("agentshare_decode_tokens", "Tokens generated", value=s.decode_tokens)
         blocks = CounterMetricFamily("agentshare_cache_blocks", "Prefix-cache lookups by outcome (blocks); "
                                      "cross_module_hit: served a block another module computed", labels=["outcome"])

@@ -75,6 +75,7 @@ class Inbound:
         fresh = core.pool.allocate(need, contiguous=True) if need else []
         n = core.pool.register(match, fresh, token_ids, layout, computed_by=core.base_name)
         core.pool.release(fresh[n:])  # someone else registered them meanwhile: not ours to fill
+        core.scheduler.mark_imported(fresh[:n])  # their first reader counts them as imported
         return cls(transfer_id, len(head), fresh[:n], pin, prefix_codec)
 
     def write(self, core: EngineCore, chunk: KVChunk) -> int:
@@ -152,7 +153,7 @@ class Outbound:
         n = len(token_ids) // bs
         if not 0 <= first_block < n:
             raise InvalidRequest(f"first_block {first_block} outside the prefix's {n} blocks")
-        seq = core.add_context(transfer_id, token_ids, ttl=ttl, salt=salt)
+        seq = core.add_context(transfer_id, token_ids, ttl=ttl, salt=salt, exported=True)
         return cls(transfer_id, first_block, n, max(1, chunk_blocks), seq, asyncio.Queue(), loop, sent=first_block)
 
     def on_step(self, core: EngineCore) -> None:

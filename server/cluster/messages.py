@@ -74,9 +74,12 @@ class LinkFigures(BaseModel):
 
 class WorkerStats(BaseModel):
     role: Role
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # the engine's counters: server.engine.config.EngineStats
     cached_prompt_tokens: int = 0
+    imported_prompt_tokens: int = 0
     prefill_tokens: int = 0
+    exported_prefill_tokens: int = 0
+    exported_cached_tokens: int = 0
     decode_tokens: int = 0
     finished: int = 0
     waiting: int = 0

@@ -181,7 +181,8 @@ class Worker:
         return WorkerStats(
             role=self.role, prompt_tokens=snap.prompt_tokens, cached_prompt_tokens=snap.cached_prompt_tokens,
             prefill_tokens=snap.prefill_tokens, decode_tokens=snap.decode_tokens, finished=snap.finished,
-            waiting=snap.waiting, running=snap.running, contexts=snap.contexts,
+            imported_prompt_tokens=snap.imported_prompt_tokens, exported_prefill_tokens=snap.exported_prefill_tokens,
+            exported_cached_tokens=snap.exported_cached_tokens, waiting=snap.waiting, running=snap.running, contexts=snap.contexts,
             blocks_capacity=snap.blocks_capacity, blocks_held=snap.blocks_held, bytes_held=snap.bytes_held,
             blocks_free=snap.blocks_free, blocks_evictable=snap.blocks_evictable,
             hit_blocks=snap.hit_blocks, miss_blocks=snap.miss_blocks, inflight_hit_blocks=snap.inflight_hit_blocks,

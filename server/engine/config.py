@@ -33,11 +33,26 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class EngineStats:
-    """Counters since start; tokens, not blocks."""
+    """Counters since start; tokens, not blocks.
 
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # not computed by their request: shared, cached or in flight
-    prefill_tokens: int = 0  # prompt positions computed
+    Two roles share one engine: requests it *serves* (role ``decode``: a decode worker's, the
+    colocated server's, shared contexts) and *exported* prefills, run for a request another
+    worker serves (role ``prefill``: a prefill worker's ``/internal/prefill`` job). For the
+    requests served here, once their prompt is done::
+
+        prompt_tokens = (prefill_tokens - exported_prefill_tokens)        computed here
+                      + (cached_prompt_tokens - imported_prompt_tokens)   reused from this pool
+                      + imported_prompt_tokens                            arrived over a link
+
+    and for the exported jobs: their prefix = ``exported_prefill_tokens + exported_cached_tokens``.
+    """
+
+    prompt_tokens: int = 0  # once per request served here (exported prefills are not requests)
+    cached_prompt_tokens: int = 0  # of those, not computed by their request: shared, cached, in flight
+    imported_prompt_tokens: int = 0  # of cached: blocks imported over a link, on their first read
+    prefill_tokens: int = 0  # prompt positions computed (both roles)
+    exported_prefill_tokens: int = 0  # of prefill_tokens: for exported prefills (role prefill)
+    exported_cached_tokens: int = 0  # exported prefills' positions found in this pool
     base_rows: int = 0  # positions computed with the base weights (prefill and decode)
     module_rows: int = 0  # positions computed with a module's weights (LoRA or full)
     decode_tokens: int = 0

@@ -126,9 +126,12 @@ class EngineCore:
 
     def add_request(
         self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *, salt: str = "",
-        prefix_codec: str | None = None,
+        prefix_codec: str | None = None, exported: bool = False,
     ) -> Sequence:
         """Queue a request. Raises a typed error for anything that could never be served.
+
+        ``exported``: a prefill run for a request another worker serves (a prefill worker's
+        transfer job): its positions count under ``EngineStats.exported_*``, not as a request's.
 
         ``prefix_codec`` names the lossy codec (e.g. ``"int8"``) its shared prefix crossed on the
         way here: the request then reads (and writes) the family's blocks in that codec's lossy
@@ -154,10 +157,11 @@ class EngineCore:
         seq = Sequence(
             request_id, m, self.runner.module_index.get(module, -1), prompt, ip, params, layout,
             TextStream(self.tokenizer, params.stop), None if params.greedy else params.generator(),
-            capacity,
+            capacity, exported=exported,
         )
         self.waiting.append(seq)
-        self.stats.prompt_tokens += n
+        if not exported:
+            self.stats.prompt_tokens += n
         return seq
 
     def _layout(
@@ -185,7 +189,8 @@ class EngineCore:
         return self.pool.match(list(prompt.token_ids), layout)
 
     def add_context(
-        self, context_id: str, token_ids: SequenceOf[int], *, ttl: float, salt: str = "", module: str | None = None
+        self, context_id: str, token_ids: SequenceOf[int], *, ttl: float, salt: str = "", module: str | None = None,
+        exported: bool = False,
     ) -> Sequence:
         """Prefill a shared context with the base and pin its full blocks for ``ttl`` seconds.
 
@@ -199,7 +204,8 @@ class EngineCore:
             raise InvalidRequest(f"context {context_id!r} already exists")
         n = len(token_ids)
         prompt = Prompt(tuple(token_ids), n, n, n)
-        seq = self.add_request(context_id, module or self._base_name, prompt, SamplingParams(max_tokens=1), salt=salt)
+        seq = self.add_request(context_id, module or self._base_name, prompt, SamplingParams(max_tokens=1), salt=salt,
+                               exported=exported)
         seq.capacity, seq.pin_ttl = n, ttl
         return seq
 

@@ -107,5 +107,7 @@ class ModelRunner:
             self.stats.base_rows += n - module
             if seq.phase is Phase.PREFILL:
                 self.stats.prefill_tokens += n
+                if seq.exported:
+                    self.stats.exported_prefill_tokens += n
             else:
                 self.stats.decode_tokens += n

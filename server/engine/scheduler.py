@@ -44,6 +44,7 @@ class Scheduler:
         self.pool, self.kv, self.config, self.stats = pool, kv, config, stats
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.imported: dict[int, int] = {}  # block -> its generation when imported, until first read
 
     @property
     def has_work(self) -> bool:
@@ -103,8 +104,33 @@ class Scheduler:
         seq.num_computed = seq.cached_tokens = match.num_cached_tokens
         seq.num_committed_blocks = len(match.block_ids)
         seq.phase, seq.admitted_at = Phase.PREFILL, time.monotonic()
-        self.stats.cached_prompt_tokens += seq.cached_tokens
+        self._count_cached(seq, +1)
         return True
+
+    def mark_imported(self, block_ids: list[int]) -> None:
+        """These blocks arrive over a link: the first request served here that reads one counts
+        it as imported (``EngineStats.imported_prompt_tokens``), later ones as reused."""
+        for bid in block_ids:
+            self.imported[bid] = self.pool.block(bid).generation
+
+    def _count_cached(self, seq: Sequence, sign: int) -> None:
+        """Count (``+1``, at admission) or uncount (``-1``, at a re-plan) ``seq``'s cached tokens,
+        under its role; a served request takes the import marks of the blocks it reads."""
+        if seq.exported:
+            self.stats.exported_cached_tokens += sign * seq.cached_tokens
+            return
+        self.stats.cached_prompt_tokens += sign * seq.cached_tokens
+        if sign < 0:
+            self.imported.update(seq.imported)  # the next reader counts them
+            self.stats.imported_prompt_tokens -= len(seq.imported) * self.config.block_size
+            seq.imported = []
+            return
+        assert seq.match is not None
+        for bid in seq.match.block_ids:
+            generation = self.imported.pop(bid, None)
+            if generation is not None and generation == self.pool.block(bid).generation:
+                seq.imported.append((bid, generation))
+        self.stats.imported_prompt_tokens += len(seq.imported) * self.config.block_size
 
     def resolve_pending(self) -> None:
         """Requests whose awaited blocks are all ready may run; those whose producer gave up
@@ -119,7 +145,7 @@ class Scheduler:
     def replan(self, seq: Sequence) -> None:
         self.drop_blocks(seq)
         self.running.remove(seq)
-        self.stats.cached_prompt_tokens -= seq.cached_tokens
+        self._count_cached(seq, -1)
         seq.phase, seq.pending, seq.num_computed, seq.cached_tokens = Phase.WAITING, (), 0, 0
         self.waiting.appendleft(seq)
         self.stats.replans += 1

@@ -117,6 +117,8 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks handed to the pool as ready
     pending: tuple[int, ...] = ()  # matched blocks another request is still computing
     cached_tokens: int = 0
+    exported: bool = False  # a prefill run for a request another worker serves (not a request here)
+    imported: list[tuple[int, int]] = field(default_factory=list)  # (block, generation) read first as imported
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
 
