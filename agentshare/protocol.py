@@ -471,6 +471,27 @@ class GenerationUsage(_Response):
     completion_tokens: int
 
 
+class RequestTimeline(_Response):
+    """Where one generation's time went, and where its prompt's KV came from. Seconds are measured
+    from its arrival in the engine that generated it (a router's placement time is ``route_s``);
+    ``computed_tokens + reused_tokens + imported_tokens`` is the prompt."""
+
+    queue_s: float = Field(description="arrival to admission (its KV reserved)")
+    ttft_s: float | None = Field(description="arrival to the first token (null: none generated)")
+    e2e_s: float = Field(description="arrival to the end")
+    decode_steps: int = Field(description="tokens generated after the first (one decode step each)")
+    computed_tokens: int = Field(description="prompt tokens the generating engine computed")
+    reused_tokens: int = Field(description="prompt tokens read from that engine's own cache")
+    imported_tokens: int = Field(0, description="prompt tokens whose KV came over a link from a prefill worker")
+    prefill: str = Field("local", description='where the shared prefix was prefilled: "local" or the prefill worker')
+    route: str = Field("colocated", description='the router\'s placement reason ("colocated": no router)')
+    route_s: float = Field(0.0, description="seconds the router took to place the request")
+    remote_computed_tokens: int = Field(0, description="of the imported tokens, those the prefill worker computed")
+    transfer_bytes: int = Field(0, description="KV bytes moved for it over the link")
+    transfer_s: float = Field(0.0, description="seconds those KV frames took on the link")
+    transfer_codec: str | None = Field(None, description="the transfer's payload codec (null: no transfer)")
+
+
 class Generation(_Response):
     id: str
     object: Literal["generation"] = "generation"
@@ -480,6 +501,7 @@ class Generation(_Response):
     finish_reason: Literal["stop", "length"]
     usage: GenerationUsage
     token_ids: list[int] = Field(default_factory=list)
+    timeline: RequestTimeline | None = None
 
 
 class GenerationChunk(_Response):
@@ -491,6 +513,7 @@ class GenerationChunk(_Response):
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: Literal["stop", "length"] | None = None
     usage: GenerationUsage | None = None
+    timeline: RequestTimeline | None = None  # on the final chunk
 
 
 class AgentInfo(_Response):

@@ -9,7 +9,7 @@
 
 Every choice is accepted by the engine before anything is yielded, so a request that the
 engine refuses becomes an HTTP error, never a broken stream. Latencies (TTFT, ITL, E2E) are
-observed here, per choice. The sampling parameters come from the request itself
+observed here, per choice; queue and KV transfer times from its final event's timeline. The sampling parameters come from the request itself
 (``SamplingParams.from_spec(body.sampling(), ...)``: the defaults and clamps live there).
 """
 
@@ -108,6 +108,11 @@ class _Timing:
             self._last[item.index] = now
         if ev.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self._m.e2e.labels(self._agent).observe(now - self._start)
+            t = ev.timeline
+            if t is not None:
+                self._m.queue.labels(self._agent).observe(t.queue_s)
+                if t.transfer_bytes:
+                    self._m.transfer.labels(t.transfer_codec or "").observe(t.transfer_s)
 
 
 def check_finish(ev: TokenEvent) -> None:

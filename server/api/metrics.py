@@ -17,7 +17,12 @@ histograms are observed by the API as tokens stream out::
     agentshare_kv_evictions_total, agentshare_kv_blocks{state=...}, agentshare_kv_bytes_held
     agentshare_requests_waiting, agentshare_requests_running, agentshare_contexts_pinned
     agentshare_time_to_first_token_seconds, agentshare_inter_token_latency_seconds,
-    agentshare_e2e_request_latency_seconds (histograms, by agent)
+    agentshare_e2e_request_latency_seconds, agentshare_request_queue_time_seconds (histograms,
+        by agent; queue time: arrival in the engine to admission, from the request's timeline)
+    agentshare_kv_transfer_time_seconds{codec} (histogram: a request's KV frames on the link)
+    The histograms use vLLM's buckets (vllm:time_to_first_token_seconds,
+    vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds and
+    vllm:request_queue_time_seconds, vllm:nixl_xfer_time_seconds), so its dashboards apply.
     agentshare_requests_total{endpoint, status}, agentshare_rejected_requests_total{reason}
 
 >>> m = Metrics()
@@ -42,7 +47,14 @@ from prometheus_client.registry import Collector
 from server.backend import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py; the transfer's from its NIXL KV connector)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)  # e2e and queue time
+_TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 
 
 class _EngineCollector(Collector):
@@ -99,11 +111,15 @@ class Metrics:
         self.registry.register(self._engine)
         r = self.registry
         self.ttft = Histogram("agentshare_time_to_first_token_seconds", "Time to the first token",
-                              ["agent"], buckets=_LATENCY_BUCKETS, registry=r)
+                              ["agent"], buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("agentshare_inter_token_latency_seconds", "Time between tokens of a request",
-                             ["agent"], buckets=_LATENCY_BUCKETS, registry=r)
+                             ["agent"], buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("agentshare_e2e_request_latency_seconds", "Request latency, arrival to last token",
-                             ["agent"], buckets=_LATENCY_BUCKETS, registry=r)
+                             ["agent"], buckets=_REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram("agentshare_request_queue_time_seconds", "Time a request waited in the engine "
+                               "for admission (its KV reserved)", ["agent"], buckets=_REQUEST_BUCKETS, registry=r)
+        self.transfer = Histogram("agentshare_kv_transfer_time_seconds", "Time a request's KV frames took on "
+                                  "the link from the prefill worker", ["codec"], buckets=_TRANSFER_BUCKETS, registry=r)
         self.requests = Counter("agentshare_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.rejected = Counter("agentshare_rejected_requests", "Requests refused with 429, by reason",

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -32,6 +33,7 @@ from agentshare.protocol import (
     Generation,
     GenerationChunk,
     GenerationUsage,
+    RequestTimeline,
 )
 from server.api.deps import Caller, agent, new_id, note, server_state
 from server.api.errors import ApiError, unprocessable
@@ -48,6 +50,7 @@ from server.api.sse import DONE, event_stream, prime, sse, sse_error
 from server.api.state import ServerState
 from server.api.tenancy import Tenant
 from server.engine.sampling import SamplingParams
+from server.engine.sequence import Timeline, TokenEvent
 from server.engine.sequence import Usage as EngineUsage
 from server.prompt import Prompt
 
@@ -110,12 +113,20 @@ async def generate(context_id: str, body: GenerateRequest, request: Request,
         primed = await until_disconnect(request, prime(events))
         return event_stream(_generation_chunks(primed, head, request))
     acc = Choices(n_per_prompt=1, total=1)
-    await until_disconnect(request, collect(events, acc.add))
+    last: list[TokenEvent] = []
+
+    def add(item: ChoiceEvent) -> None:
+        acc.add(item)
+        if item.event.finish_reason is not None:
+            last.append(item.event)
+
+    await until_disconnect(request, collect(events, add))
     st = acc.states[0]
     assert st.usage is not None
     note(request, cached_tokens=st.usage.cached_tokens, completion_tokens=st.usage.completion_tokens)
     return Generation(text="".join(st.text), finish_reason=finish_of(st.finish) or "stop",
-                      usage=_usage(st.usage), token_ids=st.token_ids, **head)  # type: ignore[arg-type]
+                      usage=_usage(st.usage), token_ids=st.token_ids, timeline=_timeline(last[-1].timeline),
+                      **head)  # type: ignore[arg-type]
 
 
 async def _generation_chunks(events: AsyncIterator[ChoiceEvent], head: dict[str, str],
@@ -128,7 +139,8 @@ async def _generation_chunks(events: AsyncIterator[ChoiceEvent], head: dict[str,
             if usage is not None:
                 note(request, cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens)
             yield sse(GenerationChunk(text=ev.text, token_ids=[] if ev.token_id is None else [ev.token_id],
-                                      finish_reason=finish_of(ev.finish_reason), usage=usage, **head))  # type: ignore[arg-type]
+                                      finish_reason=finish_of(ev.finish_reason), usage=usage,
+                                      timeline=_timeline(ev.timeline), **head))  # type: ignore[arg-type]
         yield DONE
     except ApiError as err:
         yield sse_error(err)
@@ -172,3 +184,7 @@ def _ttl(state: ServerState, ttl: float | None) -> float:
 def _usage(u: EngineUsage) -> GenerationUsage:
     return GenerationUsage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
                            computed_tokens=u.prompt_tokens - u.cached_tokens, completion_tokens=u.completion_tokens)
+
+
+def _timeline(t: Timeline | None) -> RequestTimeline | None:
+    return None if t is None else RequestTimeline.model_validate(dataclasses.asdict(t))

@@ -81,3 +81,27 @@ def test_plain_request_disconnect_cancels_and_frees_kv(server_url: str) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server_url + "/v1/chat/completions", json=body, timeout=0.5)
     assert wait_idle(server_url) < 5
+
+
+def test_a_native_generation_reports_its_timeline_and_the_histograms_use_vllms_buckets(server_url: str) -> None:
+    ctx = httpx.post(server_url + "/v1/contexts", timeout=60, json={"text": "Timeline context. " * 20}).json()
+    body = {"agent": "coder", "text": " Go on.", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    gen = httpx.post(f"{server_url}/v1/contexts/{ctx['id']}/generate", timeout=60, json=body).json()
+    t, usage = gen["timeline"], gen["usage"]
+    assert t["route"] == "colocated" and t["prefill"] == "local" and t["transfer_bytes"] == 0
+    assert 0 <= t["queue_s"] <= t["ttft_s"] <= t["e2e_s"]
+    assert t["decode_steps"] == usage["completion_tokens"] - 1 == 3
+    assert (t["computed_tokens"], t["reused_tokens"], t["imported_tokens"]) == (
+        usage["computed_tokens"], usage["cached_tokens"], 0)
+    assert t["reused_tokens"] > 0  # the pinned context
+    with httpx.stream("POST", f"{server_url}/v1/contexts/{ctx['id']}/generate", timeout=60,
+                      json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c["timeline"] is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1]["timeline"]["route"] == "colocated"
+    text = httpx.get(server_url + "/metrics").text
+    assert re.search(r'agentshare_request_queue_time_seconds_count\{agent="coder"\} [1-9]', text)
+    for name, le in (("time_to_first_token", "0.001"), ("inter_token_latency", "0.025"),
+                     ("e2e_request_latency", "7680.0"), ("request_queue_time", "0.3")):
+        assert f'agentshare_{name}_seconds_bucket{{agent="coder",le="{le}"}}' in text, name
+    assert "# TYPE agentshare_kv_transfer_time_seconds histogram" in text
