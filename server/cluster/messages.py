@@ -40,7 +40,7 @@ from server.engine.errors import (
     UnknownModule,
 )
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import FinishReason, TokenEvent, Usage
+from server.engine.sequence import FinishReason, Timeline, TokenEvent, Usage
 from server.prompt import Prompt
 
 Role = Literal["prefill", "decode"]
@@ -253,6 +253,7 @@ class Event(BaseModel):
     finish_reason: str | None = None
     usage: tuple[int, int, int] | None = None  # prompt, cached, completion tokens
     error: str | None = None
+    timeline: Timeline | None = None  # on the final line, whole (the router adds its part)
 
     @classmethod
     def of(cls, ev: TokenEvent) -> Event:
@@ -260,12 +261,12 @@ class Event(BaseModel):
         return cls(token_id=ev.token_id, text=ev.text, logprob=ev.logprob, top_logprobs=list(ev.top_logprobs),
                    finish_reason=None if ev.finish_reason is None else ev.finish_reason.value,
                    usage=None if u is None else (u.prompt_tokens, u.cached_tokens, u.completion_tokens),
-                   error=ev.error)
+                   error=ev.error, timeline=ev.timeline)
 
     def event(self, request_id: str) -> TokenEvent:
         return TokenEvent(request_id, self.token_id, self.text, self.logprob, list(self.top_logprobs),
                           None if self.finish_reason is None else FinishReason(self.finish_reason),
-                          None if self.usage is None else Usage(*self.usage), self.error)
+                          None if self.usage is None else Usage(*self.usage), self.error, self.timeline)
 
 
 class RemoteError(BaseModel):

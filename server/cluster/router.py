@@ -8,7 +8,9 @@ Per request (``submit``), with the placement policies of :mod:`server.policy`::
         LOCAL  : D prefills the prefix itself (short incremental prefill, saturated link, ...)
         REMOTE : D expects the blocks it lacks ─▶ prefill worker P computes (or finds) them and
                  streams them to D; D's request waits on those blocks, not on the whole transfer
-    D /internal/generate ─▶ NDJSON events ─▶ the same TokenEvents the local engine yields
+    D /internal/generate ─▶ NDJSON events ─▶ the same TokenEvents the local engine yields; the
+                 final one's timeline gets the router's part: the route's reason, the placement
+                 time, and the transfer (bytes, link seconds, codec; its blocks count as imported)
 
 Faults::
 
@@ -27,6 +29,7 @@ only with it. ``/internal/cluster`` (every worker's counters) needs the admin ke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -122,6 +125,36 @@ class RouterConfig:
         object.__setattr__(self, "codec", codecs.get(self.codec).name)
 
 
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """Where the router sent one request: its placement reason, where its prefix was prefilled
+    (``"local"`` or the prefill worker's URL), how long placing it took, and its transfer."""
+
+    reason: str
+    prefill: str
+    seconds: float
+    transfer: asyncio.Task[Prefilled | None] | None = None
+    codec: str | None = None
+
+    async def stamp(self, ev: TokenEvent, timeout: float, block_size: int) -> TokenEvent:
+        """``ev`` (a final event) with the router's part of its timeline: the route, and the
+        transfer's figures once its prefill worker answered (the blocks it moved are imported)."""
+        t = ev.timeline
+        if t is None:
+            return ev
+        t = dataclasses.replace(t, route=self.reason, prefill=self.prefill, route_s=self.seconds)
+        if self.transfer is not None:
+            await asyncio.wait({self.transfer}, timeout=timeout)  # never cancels it
+            done = self.transfer.result() if self.transfer.done() and not self.transfer.cancelled() else None
+            if done is not None:
+                imported = min(t.reused_tokens, done.blocks * block_size)
+                t = dataclasses.replace(
+                    t, reused_tokens=t.reused_tokens - imported, imported_tokens=t.imported_tokens + imported,
+                    remote_computed_tokens=min(imported, done.computed_tokens), transfer_bytes=done.bytes,
+                    transfer_s=done.link_seconds, transfer_codec=self.codec)
+        return dataclasses.replace(ev, timeline=t)
+
+
 class ClusterBackend:
     """A :class:`~server.backend.Backend` over prefill and decode worker processes, and an
     app plugin (its membership routes and health loop). ``collector`` adds the router's own
@@ -142,7 +175,7 @@ class ClusterBackend:
         self._requests = itertools.count(1)
         self._client: httpx.AsyncClient | None = None
         self._health: asyncio.Task[None] | None = None
-        self._transfers: set[asyncio.Task[None]] = set()
+        self._transfers: set[asyncio.Task[Any]] = set()
         self._contexts: dict[str, Member] = {}
         self.router = self._routes()
         self.collector = RouterCollector(self)
@@ -201,13 +234,15 @@ class ClusterBackend:
         if card is None:
             raise UnknownModule(module, list(self.facts.agents))
         tried: set[int] = set()
+        routes: list[_Route] = []  # the last attempt's is the one that serves it
 
         async def attempt() -> tuple[httpx.Response, Member]:
             while True:
                 candidates = [m for m in self._alive("decode") if m.serves(module) and m.id not in tried]
                 if not candidates:
                     raise Unavailable(f"no decode worker serving agent {module!r} is up; retry later")
-                member, prefix_codec = await self._route(request_id, card, prompt, salt, candidates)
+                member, prefix_codec, route = await self._route(request_id, card, prompt, salt, candidates)
+                routes.append(route)
                 try:
                     return await self._generate(member, request_id, module, prompt, params, salt, prefix_codec), member
                 except WorkerDown as exc:
@@ -215,8 +250,11 @@ class ClusterBackend:
                     tried.add(member.id)
                     self.stats.retries += 1
 
+        async def stamp(ev: TokenEvent) -> TokenEvent:
+            return await routes[-1].stamp(ev, self.config.transfer_timeout, self.facts.block_size)
+
         response, member = await attempt()
-        return ClusterStream(request_id, response, member, attempt, self._down, self.stats)
+        return ClusterStream(request_id, response, member, attempt, self._down, self.stats, finish=stamp)
 
     async def add_context(self, context_id: str, token_ids: SequenceOf[int], *, ttl: float, salt: str = "") -> TokenEvent:
         """Pin the context on a prefill worker (the one every decode worker can fetch it from);
@@ -273,8 +311,9 @@ class ClusterBackend:
 
     async def _route(
         self, request_id: str, card: AgentCard, prompt: Prompt, salt: str, candidates: list[Member]
-    ) -> tuple[Member, str | None]:
+    ) -> tuple[Member, str | None, _Route]:
         """Choose the decode worker and where its shared prefix comes from; start any transfer."""
+        started = time.monotonic()
         bs = self.facts.block_size
         prefix = list(prompt.token_ids[: positions.shared_prefix_len(prompt, card, block_size=bs)])
         lossy = self._lossy_codec()
@@ -293,24 +332,26 @@ class ClusterBackend:
                          snapshot, self.config.policy, name=self.config.placement_policy)
         self.stats.decisions[decision.prefill.reason.value] += 1
         member = next(m for m in candidates if m.id == decision.decode.worker_id)
+        reason = decision.prefill.reason.value
         if decision.prefill.where is not Where.REMOTE:
-            return member, None
+            return member, None, _Route(reason, "local", time.monotonic() - started)
         assert decision.prefill.prefill_worker is not None
         source = next(m for m in prefill if m.id == decision.prefill.prefill_worker.id)
-        await self._offload(request_id, member, source, prefix, salt, lossy, decision)
-        return member, lossy
+        task = await self._offload(request_id, member, source, prefix, salt, lossy, decision)
+        return member, lossy, _Route(reason, source.url, time.monotonic() - started, task, self.config.codec)
 
     async def _offload(
         self, request_id: str, dest: Member, source: Member, prefix: list[int], salt: str, lossy: str | None,
         decision: RouteDecision,
-    ) -> None:
-        """Have ``dest`` expect the prefix blocks it lacks and ``source`` compute and send them."""
+    ) -> asyncio.Task[Prefilled | None] | None:
+        """Have ``dest`` expect the prefix blocks it lacks and ``source`` compute and send them
+        (the transfer's task; None: ``dest`` lacks none)."""
         tid = f"{request_id}/kv-{uuid.uuid4().hex[:8]}"
         timeout = self.config.transfer_timeout
         expected = Expected.model_validate(await self._post(dest, "/internal/kv/expect", Expect(
             transfer_id=tid, token_ids=prefix, salt=salt, prefix_codec=lossy, timeout=timeout)))
         if expected.num_blocks == 0:
-            return
+            return None
         assert dest.info is not None
         order = Prefill(transfer_id=tid, token_ids=prefix[: (expected.first_block + expected.num_blocks) * self.facts.block_size],
                         salt=salt, first_block=expected.first_block,
@@ -320,8 +361,12 @@ class ClusterBackend:
         task = asyncio.create_task(self._run_transfer(source, dest, order, decision.prefill.compute_tokens, nbytes))
         self._transfers.add(task)
         task.add_done_callback(self._transfers.discard)
+        return task
 
-    async def _run_transfer(self, source: Member, dest: Member, order: Prefill, tokens: int, nbytes: int) -> None:
+    async def _run_transfer(
+        self, source: Member, dest: Member, order: Prefill, tokens: int, nbytes: int
+    ) -> Prefilled | None:
+        """Order the transfer; its figures, or None if it failed (``dest`` computes the rest)."""
         source.queued_tokens += tokens
         source.queued_bytes += nbytes
         try:
@@ -330,6 +375,7 @@ class ClusterBackend:
             if done.link_seconds > 0 and done.bytes:  # the link's own time, not the prefill's
                 rate = done.bytes / done.link_seconds
                 source.link_bytes_s = rate if source.link_bytes_s is None else 0.8 * source.link_bytes_s + 0.2 * rate
+            return done
         except Exception as exc:  # the decode side recomputes what did not arrive; say so, and tell it now
             self.stats.transfer_failures += 1
             if isinstance(exc, WorkerDown):
@@ -340,6 +386,7 @@ class ClusterBackend:
                 await self._post(dest, "/internal/kv/abort", TransferRef(transfer_id=order.transfer_id, reason=str(exc)))
             except Exception:
                 pass  # it times the expectation out by itself
+            return None
         finally:
             source.queued_tokens -= tokens
             source.queued_bytes -= nbytes

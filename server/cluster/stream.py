@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -21,8 +21,11 @@ class ClusterStream:
     def __init__(
         self, request_id: str, response: httpx.Response, member: Member,
         resubmit: Callable[[], Any], down: Callable[[Member, BaseException], None], stats: RouterStats,
+        finish: Callable[[TokenEvent], Awaitable[TokenEvent]] | None = None,
     ) -> None:
+        """``finish``: what the final event goes through (the router adds its part of the timeline)."""
         self.request_id, self._response, self._member = request_id, response, member
+        self._finish = finish
         self._resubmit, self._down, self._stats = resubmit, down, stats
         self.finished = False
         self._tokens = 0
@@ -63,6 +66,8 @@ class ClusterStream:
             if ev.finish_reason is not None:
                 self.finished = True
                 await self._response.aclose()
+                if self._finish is not None:
+                    ev = await self._finish(ev)
             return ev
 
     def cancel(self) -> None:

@@ -162,6 +162,24 @@ def test_the_router_keeps_a_short_prefill_local_and_offloads_a_long_one(cluster:
     assert 'agentshare_workers{role="decode",state="up"} 2.0' in metrics
 
 
+def test_an_offloaded_generation_reports_its_route_and_transfer_in_its_timeline(cluster: Running):
+    """The native API through the router: a context pinned on the prefill worker, then a turn on
+    a decode worker that lacks it: the blocks cross the link, and the timeline says so."""
+    ctx = httpx.post(f"{cluster.url}/v1/contexts", headers=bearer(), timeout=120,
+                     json={"text": fresh("A long context. " + DOC)})
+    assert ctx.status_code == 201, ctx.text
+    r = httpx.post(f"{cluster.url}/v1/contexts/{ctx.json()['id']}/generate", headers=bearer(), timeout=120,
+                   json={"agent": "coder", "text": " Go on.", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    t, usage = r.json()["timeline"], r.json()["usage"]
+    assert (t["route"], t["prefill"]) == ("offloaded", cluster.workers.urls[0])
+    assert t["imported_tokens"] >= 256 and t["transfer_bytes"] > 0 and t["transfer_codec"]
+    assert t["computed_tokens"] + t["reused_tokens"] + t["imported_tokens"] == usage["prompt_tokens"]
+    assert 0 <= t["queue_s"] <= t["ttft_s"] <= t["e2e_s"] and t["decode_steps"] == 3 and t["route_s"] > 0
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert "agentshare_kv_transfer_time_seconds_count{codec=" in metrics
+
+
 def test_a_decode_worker_killed_is_skipped_and_rejoins_when_back(cluster: Running):
     cluster.workers.kill(2)  # the planner's only worker
     r = httpx.post(f"{cluster.url}/v1/chat/completions", headers=bearer(), timeout=60, json={
