@@ -97,6 +97,7 @@ class WorkerStats(BaseModel):
     evictions: int = 0
     exported_blocks: int = 0  # prefill: blocks shipped to decode workers
     imported_blocks: int = 0  # decode: blocks received and committed
+    imported_tokens: dict[str, int] = Field(default_factory=dict)  # decode: their tokens, by payload codec
     transfers_ok: int = 0
     transfers_failed: int = 0
     checksum_failures: int = 0

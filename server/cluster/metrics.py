@@ -67,6 +67,18 @@ class RouterCollector(Collector):
                     seconds.add_metric([f"{m.url}->{link}"], fig.seconds)
         yield moved
         yield seconds
+        imported = CounterMetricFamily("agentshare_kv_imported_tokens", "KV tokens a decode worker received over "
+                                       "a link and committed, by payload codec", labels=["worker", "codec"])
+        received = CounterMetricFamily("agentshare_kv_received_bytes", "KV bytes a decode worker received, by "
+                                       "link (transport://peer)", labels=["worker", "link"])
+        for m in b.members:
+            if m.stats is not None:
+                for codec, tokens in sorted(m.stats.imported_tokens.items()):
+                    imported.add_metric([m.url, codec], tokens)
+                for link, fig in sorted(m.stats.received.items()):
+                    received.add_metric([m.url, link], fig.bytes)
+        yield imported
+        yield received
         yield CounterMetricFamily("agentshare_kv_transfer_failures", "Transfers that failed (recomputed by the "
                                   "decode worker)", value=b.stats.transfer_failures)
         yield CounterMetricFamily("agentshare_route_retries", "Requests moved to another decode worker",

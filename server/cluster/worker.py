@@ -98,6 +98,7 @@ class FaultPlan:
 class Counters:
     exported_blocks: int = 0
     imported_blocks: int = 0
+    imported_tokens: dict[str, int] = field(default_factory=dict)  # by payload codec
     transfers_ok: int = 0
     transfers_failed: int = 0
     checksum_failures: int = 0
@@ -124,6 +125,7 @@ class Worker:
         self._chunks_sent = 0  # by this process, for the injected faults
         self.inbound: dict[str, Inbound] = {}
         self._deadlines: dict[str, asyncio.TimerHandle] = {}
+        self._codecs: dict[str, str] = {}  # transfer -> its sender's payload codec
         self.receiver = KVReceiver(self, key=secret.kv_key(), host=kv_host, port=kv_port) if role == "decode" else None
         self.router = self._routes()
         self.join = join
@@ -187,7 +189,8 @@ class Worker:
             blocks_free=snap.blocks_free, blocks_evictable=snap.blocks_evictable,
             hit_blocks=snap.hit_blocks, miss_blocks=snap.miss_blocks, inflight_hit_blocks=snap.inflight_hit_blocks,
             cross_module_hit_blocks=snap.cross_module_hit_blocks, evictions=snap.evictions,
-            exported_blocks=c.exported_blocks, imported_blocks=c.imported_blocks, transfers_ok=c.transfers_ok,
+            exported_blocks=c.exported_blocks, imported_blocks=c.imported_blocks,
+            imported_tokens=dict(c.imported_tokens), transfers_ok=c.transfers_ok,
             transfers_failed=c.transfers_failed, checksum_failures=c.checksum_failures, prefill_tok_s=rate,
             refused_requests=c.refused_requests, refused_frames=self.receiver.refused if self.receiver else 0,
             sent={k: _figures(v) for k, v in c.sent.items()}, received={k: _figures(v) for k, v in received.items()},
@@ -239,6 +242,7 @@ class Worker:
         if lossy != inbound.prefix_codec:
             raise InvalidRequest(f"transfer {transfer_id!r} was expected as {inbound.prefix_codec or 'exact'}, "
                                  f"the sender uses {codec}")
+        self._codecs[transfer_id] = codec
 
     async def on_frame(self, transfer_id: str, frame: Frame) -> None:
         inbound = self.inbound.get(transfer_id)
@@ -251,6 +255,8 @@ class Worker:
             raise
         n = await self.engine.run(lambda core: inbound.write(core, chunk))
         self.counters.imported_blocks += n
+        codec = self._codecs.get(transfer_id, "fp32")
+        self.counters.imported_tokens[codec] = self.counters.imported_tokens.get(codec, 0) + n * self.facts.block_size
 
     async def on_end(self, transfer_id: str, error: str | None) -> None:
         inbound = self.inbound.get(transfer_id)
@@ -260,6 +266,7 @@ class Worker:
 
     async def _close(self, transfer_id: str, error: str | None) -> None:
         inbound = self.inbound.pop(transfer_id, None)
+        self._codecs.pop(transfer_id, None)
         timer = self._deadlines.pop(transfer_id, None)
         if timer is not None:
             timer.cancel()

@@ -113,12 +113,20 @@ def test_two_tenants_with_the_same_prompt_each_move_their_own_prefix(cluster: Ru
     script = Script(smollm2_tokenizer)
     prompt = script.prompt("coder")
     n, p = len(prompt.token_ids), prompt.invocation_point(Placement.TURN) // BS * BS
-    before = metrics(cluster)
+    before, stats = metrics(cluster), cluster.stats()
     for key in API_KEYS:  # conftest's two tenants (three: tests/server/cluster/test_counters.py)
         assert ask(cluster, "coder", script.messages("coder"), key=key)[0] == n
     spent = counted(metrics(cluster) - before)
     assert spent == {"prompt": 2 * n, "computed": 2 * (n - p), "reused": 0, "imported": 2 * p,
                      "prefill_computed": 2 * p}
+    # over the links: the same tokens, in the codec the router sends (conftest: fp32), and their bytes
+    after = cluster.stats()
+    moved = sum(a["imported_tokens"].get("fp32", 0) - b["imported_tokens"].get("fp32", 0)
+                for a, b in zip(after[1:], stats[1:], strict=True))
+    received = sum(link["bytes"] for s in after[1:] for link in s["received"].values()) - \
+        sum(link["bytes"] for s in stats[1:] for link in s["received"].values())
+    assert moved == 2 * p and received >= moved * 3072  # fp32 KV of the tiny model: 3072 bytes a token
+    assert 'agentshare_kv_imported_tokens_total{codec="fp32"' in httpx.get(f"{cluster.url}/metrics", timeout=10).text
 
 
 def test_a_request_kept_local_while_the_prefill_worker_holds_its_prefix(cluster: Running, smollm2_tokenizer):
