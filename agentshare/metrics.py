@@ -62,16 +62,16 @@ class ServerMetrics:
 
     prefill_computed_tokens: int = 0  # prompt positions prefilled, by every worker (all the prefill work)
     prefill_cached_tokens: int = 0  # prompt tokens not computed by their request (reused + imported)
-    prompt_tokens: int = 0  # once per request
-    computed_tokens: int = 0  # of prompt_tokens: computed by the engine serving the request
-    reused_tokens: int = 0  # of prompt_tokens: read from that engine's own cache
-    imported_tokens: int = 0  # of prompt_tokens: KV that came over a link from a prefill worker
-    exported_tokens: int = 0  # computed by prefill workers for requests the decode workers serve
     cross_module_hit_blocks: int = 0  # blocks one agent read that another agent's request computed
     decode_tokens: int = 0
     requests_running: int = 0
     requests_waiting: int = 0
     contexts_pinned: int = 0
+    prompt_tokens: int = 0  # once per request
+    computed_tokens: int = 0  # of prompt_tokens: computed by the engine serving the request
+    reused_tokens: int = 0  # of prompt_tokens: read from that engine's own cache
+    imported_tokens: int = 0  # of prompt_tokens: KV that came over a link from a prefill worker
+    exported_tokens: int = 0  # computed by prefill workers for requests the decode workers serve
     samples: Mapping[tuple[str, Labels], float] = field(default_factory=lambda: MappingProxyType({}), repr=False)
 
     @classmethod
