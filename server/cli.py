@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -120,8 +121,11 @@ def serve(
                                     "whatever --host is (0.0.0.0 only on a private network: docs/cluster.md)"),
     admin_key_file: Path | None = typer.Option(None, help=f"with --disaggregated: file (mode 0600) of the key "
                                                f"/internal/cluster asks for (or {_ADMIN_ENV})"),
+    otel: bool = typer.Option(False, "--otel", help="trace requests with OpenTelemetry (the otel extra; also "
+                              "AGENTSHARE_OTEL=1; AGENTSHARE_TRACE_FILE=path writes spans as JSON lines)"),
 ) -> None:
     """Serve the OpenAI-compatible and native API; every agent of the family shares prefill."""
+    _otel(otel)
     from server.api.serve import config_from_options
     from server.api.serve import serve as run_server
 
@@ -153,8 +157,11 @@ def worker(
     advertise: str | None = typer.Option(None, help="URL the router reaches this worker at (default: host:port)"),
     cluster_secret_file: Path | None = typer.Option(None, help=_SECRET_HELP),
     log_level: str = typer.Option("info"),
+    otel: bool = typer.Option(False, "--otel", help="trace requests with OpenTelemetry (the otel extra; also "
+                              "AGENTSHARE_OTEL=1; AGENTSHARE_TRACE_FILE=path writes spans as JSON lines)"),
 ) -> None:
     """Run one worker of a disaggregated cluster (prefill or decode)."""
+    _otel(otel)
     from server.api.serve import config_from_options
     from server.cluster.launch import serve_worker
 
@@ -185,14 +192,23 @@ def router(
     admin_key_file: Path | None = typer.Option(None, help=f"file (mode 0600) of the key /internal/cluster asks for "
                                                f"(or {_ADMIN_ENV})"),
     log_level: str = typer.Option("info"),
+    otel: bool = typer.Option(False, "--otel", help="trace requests with OpenTelemetry (the otel extra; also "
+                              "AGENTSHARE_OTEL=1; AGENTSHARE_TRACE_FILE=path writes spans as JSON lines)"),
 ) -> None:
     """Serve the API over running workers (started with ``agentshare worker``)."""
+    _otel(otel)
     from server.api.serve import config_from_options
     from server.cluster.launch import serve_router
 
     serve_router(config_from_options(locals()), worker,
                  _router_config(transfer_codec, transport, offload_threshold, bandwidth_aware, placement_policy),
                  secret=_secret(cluster_secret_file), admin_key=_admin_key(admin_key_file))
+
+
+def _otel(on: bool) -> None:
+    """``--otel``: tracing on here and in the worker processes started from here (their environment)."""
+    if on:
+        os.environ["AGENTSHARE_OTEL"] = "1"
 
 
 @app.command("cluster-secret")

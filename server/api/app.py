@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter, FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server import tracing
 from server.api import native_routes, openai_routes, ops_routes
 from server.api.config import ServerConfig
 from server.api.contexts import ContextStore
@@ -82,6 +83,7 @@ def create_app(
     for plugin in plugins:
         app.include_router(plugin.router)
     app.add_middleware(RequestLogMiddleware, metrics=metrics)
+    app.add_middleware(tracing.TraceMiddleware)  # outermost: the request's log record carries its trace
     return app
 
 

@@ -19,10 +19,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from server import tracing
 from server.api.errors import ApiError, from_engine
 from server.api.metrics import Metrics
 from server.backend import Backend, EventSource
@@ -56,14 +57,22 @@ async def stream_choices(
                for i, prompt in enumerate(prompts) for j in range(n)]
     start = time.monotonic()
     streams: list[tuple[int, EventSource]] = []
+    spans: dict[int, tuple[Any, int]] = {}  # each choice's "generate" span, and when it was submitted
     try:
         for index, prompt, p in choices:
-            streams.append((index, await backend.submit(f"{request_id}/{index}", module, prompt, p, salt=salt)))
+            rid = f"{request_id}/{index}"
+            spans[index] = (tracing.start("generate", request_id=rid, agent=module,
+                                          prompt_tokens=len(prompt.token_ids)), time.time_ns())
+            with tracing.active(spans[index][0]):  # the router's calls to its workers carry this trace
+                streams.append((index, await backend.submit(rid, module, prompt, p, salt=salt)))
     except BaseException as exc:
         if isinstance(exc, Overloaded):
             metrics.rejected.labels(exc.reason).inc()
         for _, stream in streams:
             stream.cancel()
+        for s, _ in spans.values():
+            s.set_attribute("error", type(exc).__name__)
+            s.end()
         if isinstance(exc, PromptTooLong):
             raise from_engine(exc, prompt_param=prompt_param) from exc
         raise
@@ -81,14 +90,35 @@ async def stream_choices(
             item = await queue.get()
             timing.observe(item)
             finished += item.event.finish_reason is not None
+            if item.event.finish_reason is not None and item.index in spans:
+                _end_span(*spans.pop(item.index), item.event)
             yield item
     finally:
+        for s, _ in spans.values():  # left early (client gone)
+            s.set_attribute("cancelled", True)
+            s.end()
         # Synchronous first: inside a cancelled scope (client gone) every await is interrupted.
         for _, stream in streams:
             stream.cancel()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _end_span(span: Any, submitted_ns: int, ev: TokenEvent) -> None:
+    """End a choice's span with its figures (never its text); where its engine ran in this
+    process (no router), its queue, prefill and decode as child spans."""
+    span.set_attribute("finish_reason", str(ev.finish_reason))
+    if ev.usage is not None:
+        span.set_attributes({"prompt_tokens": ev.usage.prompt_tokens, "cached_tokens": ev.usage.cached_tokens,
+                             "completion_tokens": ev.usage.completion_tokens})
+    t = ev.timeline
+    if t is not None:
+        span.set_attributes({"route": t.route, "prefill": t.prefill, "queue_s": t.queue_s, "e2e_s": t.e2e_s,
+                             "imported_tokens": t.imported_tokens, "transfer_bytes": t.transfer_bytes})
+        if t.route == "colocated":
+            tracing.engine_spans(span, t, submitted_ns)
+    span.end()
 
 
 class _Timing:

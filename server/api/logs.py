@@ -1,7 +1,9 @@
 """Structured logs: one JSON object per line, and never prompt or completion text by default.
 
 Each request ends with one ``request`` record carrying its id, endpoint, agent, status,
-latency and token counts (prompt, cached, completion) — figures, not content.
+latency and token counts (prompt, cached, completion) — figures, not content. While a trace
+span is current (tracing on, :mod:`server.tracing`), every record carries its ``trace_id`` and
+``span_id`` too.
 
 >>> import logging
 >>> rec = logging.LogRecord("agentshare.api", logging.INFO, "", 0, "done", (), None)
@@ -17,6 +19,8 @@ import json
 import logging
 import sys
 from typing import Any
+
+from server import tracing
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
 
@@ -34,6 +38,8 @@ class JsonFormatter(logging.Formatter):
         for k, v in vars(record).items():
             if k not in _STANDARD and not k.startswith("_"):
                 out[k] = v if isinstance(v, str | int | float | bool | None) else str(v)
+        if "trace_id" not in out and (ids := tracing.current_ids()) is not None:
+            out["trace_id"], out["span_id"] = ids
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)

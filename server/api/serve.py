@@ -29,6 +29,7 @@ def serve(config: ServerConfig) -> None:
     """Serve until interrupted (blocks)."""
     import uvicorn
 
+    from server import tracing
     from server.api.app import create_app
     from server.api.logs import configure_logging
     from server.engine.async_engine import AsyncEngine
@@ -36,6 +37,7 @@ def serve(config: ServerConfig) -> None:
     from server.models.loader import default_model_dir
 
     configure_logging(config.log_level)
+    tracing.configure("agentshare")
     model_dir = config.model_dir or default_model_dir()
     log.info("loading", extra={"event": "load", "model_dir": str(model_dir), "modules": ",".join(config.modules)})
     core = load_engine(model_dir, modules=config.modules, dtype=config.dtype, threads=config.threads,

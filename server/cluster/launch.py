@@ -32,6 +32,7 @@ from typing import IO
 
 import httpx
 
+from server import tracing
 from server.api.config import ServerConfig
 from server.cluster.auth import ClusterSecret
 from server.cluster.messages import Role
@@ -214,6 +215,7 @@ def serve_worker(
     from server.models.loader import default_model_dir
 
     configure_logging(config.log_level)
+    tracing.configure(f"agentshare-{role}")  # AGENTSHARE_OTEL / AGENTSHARE_TRACE_FILE, inherited from a launcher
     if cpus:
         os.sched_setaffinity(0, set(cpus))
     model_dir = config.model_dir or default_model_dir()
@@ -249,6 +251,7 @@ def serve_router(
     from server.models.loader import default_model_dir
 
     configure_logging(config.log_level)
+    tracing.configure("agentshare-router")
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir or default_model_dir())
     backend = ClusterBackend.connect([w.rstrip("/") for w in workers], tokenizer, router, secret=secret,
                                      admin_key=admin_key)

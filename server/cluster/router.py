@@ -45,7 +45,7 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from server import positions
+from server import positions, tracing
 from server.api.errors import ApiError
 from server.backend import (
     AgentCard,
@@ -241,7 +241,9 @@ class ClusterBackend:
                 candidates = [m for m in self._alive("decode") if m.serves(module) and m.id not in tried]
                 if not candidates:
                     raise Unavailable(f"no decode worker serving agent {module!r} is up; retry later")
-                member, prefix_codec, route = await self._route(request_id, card, prompt, salt, candidates)
+                with tracing.span("route", request_id=request_id, agent=module) as sp:
+                    member, prefix_codec, route = await self._route(request_id, card, prompt, salt, candidates)
+                    sp.set_attributes({"reason": route.reason, "decode_worker": member.url, "prefill": route.prefill})
                 routes.append(route)
                 try:
                     return await self._generate(member, request_id, module, prompt, params, salt, prefix_codec), member
@@ -358,7 +360,9 @@ class ClusterBackend:
                         destination=expected.address[self._transport_between(source, dest)],
                         codec=self.config.codec)
         nbytes = expected.num_blocks * self.facts.block_size * self._kv_bytes_per_token()
-        task = asyncio.create_task(self._run_transfer(source, dest, order, decision.prefill.compute_tokens, nbytes))
+        task = asyncio.create_task(tracing.traced(
+            "transfer", self._run_transfer(source, dest, order, decision.prefill.compute_tokens, nbytes),
+            transfer_id=tid, prefill_worker=source.url, decode_worker=dest.url, blocks=expected.num_blocks))
         self._transfers.add(task)
         task.add_done_callback(self._transfers.discard)
         return task
@@ -428,7 +432,7 @@ class ClusterBackend:
         body = Generate(request_id=request_id, module=module, prompt=PromptFields.of(prompt),
                         params=SamplingFields.of(params), salt=salt, prefix_codec=prefix_codec)
         request = self._client.build_request("POST", f"{member.url}/internal/generate", json=body.model_dump(),
-                                             timeout=httpx.Timeout(None, connect=2.0))
+                                             timeout=httpx.Timeout(None, connect=2.0), headers=tracing.headers())
         try:
             response = await self._client.send(request, stream=True)
         except httpx.TransportError as exc:
@@ -455,7 +459,8 @@ class ClusterBackend:
     async def _post(self, member: Member, path: str, body: Any, *, timeout: float | None = 30.0) -> Any:
         assert self._client is not None
         try:
-            r = await self._client.post(f"{member.url}{path}", json=body.model_dump(), timeout=timeout)
+            r = await self._client.post(f"{member.url}{path}", json=body.model_dump(), timeout=timeout,
+                                        headers=tracing.headers())
         except httpx.TransportError as exc:
             raise WorkerDown(f"{member.url}: {exc}") from exc
         if r.status_code >= 400:

@@ -37,6 +37,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from server import tracing
 from server.api.errors import ApiError
 from server.backend import EngineFacts, EngineSnapshot
 from server.cluster import codecs
@@ -242,6 +243,8 @@ class Worker:
         if lossy != inbound.prefix_codec:
             raise InvalidRequest(f"transfer {transfer_id!r} was expected as {inbound.prefix_codec or 'exact'}, "
                                  f"the sender uses {codec}")
+        tracing.begin(transfer_id, "kv.receive", parent=header.get("meta"), transfer_id=transfer_id, codec=codec,
+                      blocks=inbound.num_blocks)
         self._codecs[transfer_id] = codec
 
     async def on_frame(self, transfer_id: str, frame: Frame) -> None:
@@ -273,6 +276,7 @@ class Worker:
         if inbound is None:
             return
         await self.engine.run(inbound.finish)
+        tracing.finish(transfer_id, error=error, written_blocks=inbound.written)
         if error is None:
             self.counters.transfers_ok += 1
         else:
@@ -295,7 +299,8 @@ class Worker:
         sender = None
         blocks = 0
         try:
-            sender = await open_sender(body.destination, body.transfer_id, codec=codec, key=self.secret.kv_key())
+            sender = await open_sender(body.destination, body.transfer_id, codec=codec, key=self.secret.kv_key(),
+                                       meta=tracing.headers())  # the receiver's span continues this trace
             while (item := await out.queue.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
@@ -318,6 +323,8 @@ class Worker:
                 _add(link, sender.stats)
         self.counters.transfers_ok += 1
         self.counters.exported_blocks += blocks
+        tracing.annotate(transfer_id=body.transfer_id, blocks=blocks, bytes=sender.stats.bytes, codec=codec,
+                         computed_tokens=out.computed_tokens, cached_tokens=out.cached_tokens)
         return Prefilled(transfer_id=body.transfer_id, blocks=blocks, bytes=sender.stats.bytes,
                          seconds=time.monotonic() - start, link_seconds=sender.stats.seconds, computed_tokens=out.computed_tokens,
                          cached_tokens=out.cached_tokens)
@@ -346,12 +353,15 @@ class Worker:
 
     async def generate(self, body: Generate) -> Response:
         self._require("decode")
+        span, arrival = tracing.current(), time.time_ns()  # its queue, prefill and decode: child spans
         stream = await self.engine.submit(body.request_id, body.module, body.prompt.prompt(), body.params.params(),
                                           salt=body.salt, prefix_codec=body.prefix_codec)
 
         async def lines() -> Any:
             try:
                 async for ev in stream:
+                    if ev.finish_reason is not None:
+                        tracing.engine_spans(span, ev.timeline, arrival)
                     yield Event.of(ev).model_dump_json() + "\n"
             except Exception as exc:  # this request's failure, not the worker's: end it with an error
                 log.exception("a generate stream failed", extra={"event": "request_failed", "request": body.request_id})
@@ -438,6 +448,7 @@ class Worker:
 
         @r.post("/generate")
         async def generate(body: Generate, request: Request) -> Any:
+            request.state.log = {**getattr(request.state, "log", {}), "request_id": body.request_id}
             return await call(w.generate, body)
 
         return r
