@@ -71,7 +71,6 @@ def configure(service: str, *, flag: bool = False) -> bool:
     if not requested(flag):
         return False
     try:
-        from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -96,7 +95,8 @@ def configure(service: str, *, flag: bool = False) -> bool:
         else:
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             sinks.append("otlp")
-    trace.set_tracer_provider(provider)
+    # not made the global provider: FastAPI (0.16x) traces every request itself with the global
+    # one, which would double each server span and trace the health polls
     install(provider, service)
     log.info("tracing", extra={"event": "tracing", "service": service, "sinks": ",".join(sinks)})
     return True
