@@ -89,12 +89,14 @@ def configure(service: str, *, flag: bool = False) -> bool:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             if not sinks:
-                log.warning("tracing on, but no exporter: install opentelemetry-exporter-otlp "
+                log.warning("tracing off: no exporter: install opentelemetry-exporter-otlp "
                             "(pip install 'agentshare[otlp]') or set AGENTSHARE_TRACE_FILE",
                             extra={"event": "tracing_unavailable"})
         else:
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             sinks.append("otlp")
+    if not sinks:
+        return False
     # not made the global provider: FastAPI (0.16x) traces every request itself with the global
     # one, which would double each server span and trace the health polls
     install(provider, service)

@@ -128,7 +128,8 @@ def test_log_lines_carry_the_request_and_trace_ids_and_never_the_prompt(
 
 def test_without_opentelemetry_tracing_stays_off(monkeypatch: pytest.MonkeyPatch):
     """The server runs without the otel extra: asking for tracing warns and records nothing."""
-    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # as if not installed
+    for name in [m for m in sys.modules if m == "opentelemetry" or m.startswith("opentelemetry.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     monkeypatch.setenv(tracing.ENV, "1")
     saved = dict(tracing._state)
     try:
