@@ -24,6 +24,7 @@ after its checksum was taken).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -182,14 +183,7 @@ class Worker:
         c = self.counters
         received = self.receiver.stats if self.receiver else {}
         return WorkerStats(
-            role=self.role, prompt_tokens=snap.prompt_tokens, cached_prompt_tokens=snap.cached_prompt_tokens,
-            prefill_tokens=snap.prefill_tokens, decode_tokens=snap.decode_tokens, finished=snap.finished,
-            imported_prompt_tokens=snap.imported_prompt_tokens, exported_prefill_tokens=snap.exported_prefill_tokens,
-            exported_cached_tokens=snap.exported_cached_tokens, waiting=snap.waiting, running=snap.running, contexts=snap.contexts,
-            blocks_capacity=snap.blocks_capacity, blocks_held=snap.blocks_held, bytes_held=snap.bytes_held,
-            blocks_free=snap.blocks_free, blocks_evictable=snap.blocks_evictable,
-            hit_blocks=snap.hit_blocks, miss_blocks=snap.miss_blocks, inflight_hit_blocks=snap.inflight_hit_blocks,
-            cross_module_hit_blocks=snap.cross_module_hit_blocks, evictions=snap.evictions,
+            role=self.role, **dataclasses.asdict(snap),  # every engine counter, whole (a test pins the fields)
             exported_blocks=c.exported_blocks, imported_blocks=c.imported_blocks,
             imported_tokens=dict(c.imported_tokens), transfers_ok=c.transfers_ok,
             transfers_failed=c.transfers_failed, checksum_failures=c.checksum_failures, prefill_tok_s=rate,
