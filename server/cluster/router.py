@@ -136,9 +136,10 @@ class _Route:
     transfer: asyncio.Task[Prefilled | None] | None = None
     codec: str | None = None
 
-    async def stamp(self, ev: TokenEvent, timeout: float, block_size: int) -> TokenEvent:
+    async def stamp(self, ev: TokenEvent, timeout: float) -> TokenEvent:
         """``ev`` (a final event) with the router's part of its timeline: the route, and the
-        transfer's figures once its prefill worker answered (the blocks it moved are imported)."""
+        transfer's figures once its prefill worker answered (the tokens imported are the decode
+        worker's own count)."""
         t = ev.timeline
         if t is None:
             return ev
@@ -146,11 +147,9 @@ class _Route:
         if self.transfer is not None:
             await asyncio.wait({self.transfer}, timeout=timeout)  # never cancels it
             done = self.transfer.result() if self.transfer.done() and not self.transfer.cancelled() else None
-            if done is not None:
-                imported = min(t.reused_tokens, done.blocks * block_size)
+            if done is not None:  # the decode worker counted the imported tokens; the link's figures
                 t = dataclasses.replace(
-                    t, reused_tokens=t.reused_tokens - imported, imported_tokens=t.imported_tokens + imported,
-                    remote_computed_tokens=min(imported, done.computed_tokens), transfer_bytes=done.bytes,
+                    t, remote_computed_tokens=min(t.imported_tokens, done.computed_tokens), transfer_bytes=done.bytes,
                     transfer_s=done.link_seconds, transfer_codec=self.codec)
         return dataclasses.replace(ev, timeline=t)
 
@@ -253,7 +252,7 @@ class ClusterBackend:
                     self.stats.retries += 1
 
         async def stamp(ev: TokenEvent) -> TokenEvent:
-            return await routes[-1].stamp(ev, self.config.transfer_timeout, self.facts.block_size)
+            return await routes[-1].stamp(ev, self.config.transfer_timeout)
 
         response, member = await attempt()
         return ClusterStream(request_id, response, member, attempt, self._down, self.stats, finish=stamp)

@@ -328,4 +328,4 @@ class EngineCore:
         seq.phase, seq.finish_reason = Phase.FINISHED, reason
         self.stats.finished += 1
         return TokenEvent(seq.request_id, None, "", finish_reason=reason, usage=seq.usage(), error=error,
-                          timeline=seq.timeline())
+                          timeline=seq.timeline(self.config.block_size))

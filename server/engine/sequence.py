@@ -137,11 +137,14 @@ class Sequence:
     def usage(self) -> Usage:
         return Usage(self.prompt_len, self.cached_tokens, self.num_generated)
 
-    def timeline(self, now: float | None = None) -> Timeline:
-        """Its timeline, ending ``now`` (default: this instant)."""
+    def timeline(self, block_size: int, now: float | None = None) -> Timeline:
+        """Its timeline, ending ``now`` (default: this instant). Imported tokens are the blocks
+        it read first after they arrived over a link, as the engine's counters count them."""
         end = time.monotonic() if now is None else now
         first = None if self.first_token_time is None else self.first_token_time - self.arrival
         queued = (self.admitted_at if self.admitted_at is not None else end) - self.arrival
+        imported = len(self.imported) * block_size
         return Timeline(queue_s=queued, ttft_s=first, e2e_s=end - self.arrival,
                         decode_steps=max(0, self.num_generated - 1),
-                        computed_tokens=self.prompt_len - self.cached_tokens, reused_tokens=self.cached_tokens)
+                        computed_tokens=self.prompt_len - self.cached_tokens,
+                        reused_tokens=self.cached_tokens - imported, imported_tokens=imported)
