@@ -142,6 +142,17 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ConstraintSpec(BaseModel):
+    """What a request's output must match: ``kind`` is ``json_schema`` (``value``: the schema as
+    JSON text), ``json_object`` (no value), ``regex`` (the pattern), ``choice`` (a JSON list of
+    strings) or ``lark`` (a grammar in llguidance's Lark dialect)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "lark"]
+    value: str = ""
+
+
 class SamplingSpec(BaseModel):
     """What a generating request asks of the sampler, in the engine's terms: one field per field
     of the server's ``SamplingParams`` (same names; a test checks the two lists are equal), where
@@ -164,6 +175,7 @@ class SamplingSpec(BaseModel):
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    constraint: ConstraintSpec | None = None
 
 
 UNSUPPORTED_SAMPLING: dict[str, tuple[object, ...]] = {

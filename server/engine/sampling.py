@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from server.engine.constraints import Constraint
 from server.engine.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -94,6 +95,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1: off (HF/vLLM: prompt and output tokens)
     frequency_penalty: float = 0.0  # [-2, 2]; 0: off (OpenAI: per occurrence in the output)
     presence_penalty: float = 0.0  # [-2, 2]; 0: off (OpenAI: once per token in the output)
+    constraint: Constraint | None = None
+    """What the output must match (JSON Schema, regex, choice, grammar): tokens that cannot
+    continue a match are masked out before sampling (``server/engine/constraints.py``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -137,6 +141,8 @@ class SamplingParams:
         (4, 0.0, 1e-06)
         """
         given = {k: v for k, v in spec if v is not None}
+        if spec.constraint is not None:
+            given["constraint"] = Constraint(spec.constraint.kind, spec.constraint.value)
         given.setdefault("max_tokens", default_max_tokens)
         if "temperature" in given and given["temperature"] < GREEDY_BELOW:
             given["temperature"] = 0.0

@@ -18,6 +18,7 @@ from agentshare.protocol import (
     SamplingSpec,
 )
 from server.cluster.messages import Generate, PromptFields, SamplingFields
+from server.engine.constraints import Constraint
 from server.engine.sampling import SamplingParams
 from server.prompt import Prompt
 
@@ -27,6 +28,7 @@ EVERY_FIELD_SET: dict[str, Any] = {
     "max_tokens": 7, "temperature": 0.3, "top_p": 0.8, "top_k": 5, "seed": 2**64 - 1, "stop": ("END", "\n\n"),
     "stop_token_ids": (2, 3), "ignore_eos": True, "logprobs": 4, "forced_tokens": (9, 8, 7),
     "repetition_penalty": 1.25, "frequency_penalty": -0.75, "presence_penalty": 1.5,
+    "constraint": Constraint("json_schema", '{"type": "object"}'),
 }
 
 
