@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("langchain_tests")
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from agentshare.langchain import ChatAgentshare, _tool_choice, _to_wire
+from agentshare.langchain import ChatAgentshare, _to_wire, _tool_choice
 
 
 class TestChatAgentshareUnit(ChatModelUnitTests):
