@@ -18,7 +18,7 @@ This module imports ``langchain_core`` (install the extra: ``pip install 'agents
 >>> msg = await llm.ainvoke([SystemMessage("Answer briefly."), HumanMessage("Name a colour.")])
 >>> msg.response_metadata["model_name"], msg.usage_metadata["output_tokens"]
 ('coder', 4)
->>> team = [ChatAgentshare(client=client, agent=a, shared_context=["Spec: square(x) returns x * x."],
+>>> team = [ChatAgentshare(client=client, agent=a, shared_context="Spec: square(x) returns x * x.",
 ...                        max_tokens=2) for a in ("base", "coder")]
 >>> [(await m.ainvoke("Plan it.")).usage_metadata["input_token_details"]["cache_read"] for m in team]
 [32, 32]
@@ -82,8 +82,9 @@ class ChatAgentshare(BaseChatModel):
 
     Args:
         model: the agent (decode module) answering; alias ``agent``. Default ``"base"``.
-        shared_context: messages (LangChain messages or ``{"role", "content"}`` dicts) pinned
-            once on the server and put before every call's messages.
+        shared_context: messages (LangChain messages, ``{"role", "content"}`` dicts, or strings:
+            user messages; a string alone is one) pinned once on the server when first needed,
+            put before every call's messages, and unpinned by :meth:`close`/:meth:`aclose`.
         context_ttl: seconds the server keeps ``shared_context`` pinned (server default: 600).
         temperature, max_tokens, top_p, top_k, seed, stop: sampling (``None``: the server's).
         model_kwargs: more fields of the request body.
@@ -103,7 +104,7 @@ class ChatAgentshare(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     streaming: bool = False
-    shared_context: list[Any] | None = None
+    shared_context: str | list[Any] | None = None
     context_ttl: float | None = None
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -198,7 +199,8 @@ class ChatAgentshare(BaseChatModel):
     # ---- the shared context ------------------------------------------------------------------
 
     def _context_body(self) -> dict[str, Any]:
-        body = content_body([_to_wire(m) for m in self.shared_context or []])
+        shared = [self.shared_context] if isinstance(self.shared_context, str) else self.shared_context or []
+        body = content_body([_to_wire(m) for m in shared])
         if self.context_ttl is not None:
             body["ttl"] = self.context_ttl
         return body
@@ -484,8 +486,9 @@ def _content(content: str | list[Any]) -> str:
     return "".join(parts)
 
 
-def _to_wire(m: BaseMessage | Mapping[str, Any]) -> dict[str, Any]:
-    """A LangChain message (or an OpenAI-style dict) as an OpenAI chat message dict.
+def _to_wire(m: BaseMessage | Mapping[str, Any] | str) -> dict[str, Any]:
+    """A LangChain message (or an OpenAI-style dict, or a string: a user message) as an OpenAI
+    chat message dict.
 
     >>> _to_wire(AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1}, "id": "c1"}]))
     {'role': 'assistant', 'content': None, 'tool_calls': [{'id': 'c1', 'type': 'function', 'function': {'name': 'add', 'arguments': '{"a": 1}'}}]}
@@ -494,6 +497,8 @@ def _to_wire(m: BaseMessage | Mapping[str, Any]) -> dict[str, Any]:
     """
     if isinstance(m, Mapping):
         return dict(m)
+    if isinstance(m, str):
+        return {"role": "user", "content": m}
     out: dict[str, Any]
     if isinstance(m, SystemMessage):
         out = {"role": "system", "content": _content(m.content)}
