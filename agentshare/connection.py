@@ -92,7 +92,7 @@ class Connection:
         except httpx.TransportError as exc:
             raise ConnectionFailed(f"{method} {self.base_url}{path}: {exc!r}") from exc
         if resp.status_code >= 400:
-            raise _error(resp.status_code, resp.content, resp.headers.get("retry-after"))
+            raise response_error(resp.status_code, resp.content, resp.headers.get("retry-after"))
         return resp.json() if resp.headers.get("content-type", "").startswith("application/json") else resp.text
 
     async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -101,23 +101,41 @@ class Connection:
         try:
             async with http.stream("POST", path, json=body) as resp:
                 if resp.status_code >= 400:
-                    raise _error(resp.status_code, await resp.aread(), resp.headers.get("retry-after"))
+                    raise response_error(resp.status_code, await resp.aread(), resp.headers.get("retry-after"))
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    event = sse_event(line)
+                    if event is DONE:
                         return
-                    event = json.loads(data)
-                    if "error" in event:  # an error after the stream started
-                        etype = str((event["error"] or {}).get("type", ""))
-                        raise error_from_response(_STREAM_ERROR_STATUS.get(etype, 500), event)
-                    yield event
+                    if event is not None:
+                        yield event
         except httpx.TransportError as exc:
             raise ConnectionFailed(f"POST {self.base_url}{path}: {exc!r}") from exc
         # a clean close before [DONE]: the answer is cut short, never a complete one
         raise ConnectionFailed(f"POST {self.base_url}{path}: the stream ended before [DONE] (connection closed "
                                "mid-response, e.g. by a proxy or a server restart); retry the request")
+
+
+DONE: Any = object()
+"""What :func:`sse_event` returns for the stream's last line, ``data: [DONE]``."""
+
+
+def sse_event(line: str) -> dict[str, Any] | None:
+    """One line of a server-sent-event stream: its ``data:`` JSON, :data:`DONE` at the end, or
+    ``None`` (not a data line); an error event raises its :class:`AgentshareError`.
+
+    >>> sse_event('data: {"id": "c1"}'), sse_event(": keep-alive"), sse_event("data: [DONE]") is DONE
+    ({'id': 'c1'}, None, True)
+    """
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return DONE  # type: ignore[no-any-return]
+    event: dict[str, Any] = json.loads(data)
+    if "error" in event:  # an error after the stream started
+        etype = str((event["error"] or {}).get("type", ""))
+        raise error_from_response(_STREAM_ERROR_STATUS.get(etype, 500), event)
+    return event
 
 
 def content_body(content: str | Sequence[Any], *, text_kind: bool = False) -> dict[str, Any]:
@@ -133,7 +151,8 @@ def _message(m: Any) -> dict[str, Any]:
     return m.model_dump(exclude_none=True) if isinstance(m, protocol.ChatMessage) else dict(m)
 
 
-def _error(status: int, content: bytes, retry_after: str | None) -> AgentshareError:
+def response_error(status: int, content: bytes, retry_after: str | None) -> AgentshareError:
+    """The :class:`AgentshareError` of an error response (its status, body and Retry-After)."""
     try:
         body: Any = json.loads(content)
     except ValueError:

@@ -66,8 +66,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
 from agentshare import protocol
 from agentshare.client import AsyncClient
-from agentshare.connection import content_body
-from agentshare.errors import ConnectionFailed, error_from_response
+from agentshare.connection import DONE, content_body, response_error, sse_event
+from agentshare.errors import ConnectionFailed
 
 _PATH = "/v1/chat/completions"
 
@@ -205,25 +205,34 @@ class ChatAgentshare(BaseChatModel):
             body["ttl"] = self.context_ttl
         return body
 
-    def _pinned(self, info: Any) -> None:
-        protocol.ContextInfo.model_validate(info)
-        self._context_id = info["id"]
-        self._context_messages = self._context_body()["messages"]
+    def _pinned(self, info: Any) -> str | None:
+        """Keep a new pin; returns the id of a pin to release (one a concurrent first call made too)."""
+        cid = protocol.ContextInfo.model_validate(info).id
+        with self._lock:
+            if self._context_id is not None:
+                return cid
+            self._context_messages = self._context_body()["messages"]
+            self._context_id = cid
+        return None
 
     def _ensure_context_sync(self) -> None:
         if self.shared_context and self._context_id is None:
             http = self._http()
             resp = _checked(_send(lambda: http.post("/v1/contexts", json=self._context_body()), "/v1/contexts"))
-            self._pinned(resp.json())
+            extra = self._pinned(resp.json())
+            if extra is not None:
+                http.delete(f"/v1/contexts/{extra}")
 
     async def _ensure_context_async(self, url: str) -> None:
         if self.shared_context and self._context_id is None:
             async with self._ahttp(url) as http:
                 try:
                     resp = await http.post("/v1/contexts", json=self._context_body())
+                    extra = self._pinned(_checked(resp).json())
+                    if extra is not None:
+                        await http.delete(f"/v1/contexts/{extra}")
                 except httpx.TransportError as exc:
                     raise ConnectionFailed(f"POST {url}/v1/contexts: {exc!r}") from exc
-            self._pinned(_checked(resp).json())
 
     @property
     def context_id(self) -> str | None:
@@ -314,8 +323,8 @@ class ChatAgentshare(BaseChatModel):
                     resp.read()
                     _checked(resp)
                 for line in resp.iter_lines():
-                    event = _sse_data(line)
-                    if event is _DONE:
+                    event = sse_event(line)
+                    if event is DONE:
                         return
                     if event is not None:
                         chunk = _chunk(event)
@@ -339,8 +348,8 @@ class ChatAgentshare(BaseChatModel):
                         await resp.aread()
                         _checked(resp)
                     async for line in resp.aiter_lines():
-                        event = _sse_data(line)
-                        if event is _DONE:
+                        event = sse_event(line)
+                        if event is DONE:
                             return
                         if event is not None:
                             chunk = _chunk(event)
@@ -420,9 +429,6 @@ class ChatAgentshare(BaseChatModel):
 
 # ---- wire format ---------------------------------------------------------------------------------
 
-_DONE = object()
-
-
 def _require_url(url: str | None) -> str:
     if url is None:
         raise ConnectionFailed("the agentshare server has no URL yet: start its client first")
@@ -437,37 +443,15 @@ def _send(call: Callable[[], httpx.Response], path: str) -> httpx.Response:
 
 
 def _checked(resp: httpx.Response) -> httpx.Response:
-    """The response, or its status's :class:`~agentshare.errors.AgentshareError`."""
+    """The response, or its status's :class:`~agentshare.errors.AgentshareError` (read first when streamed)."""
     if resp.status_code < 400:
         return resp
-    try:
-        body: Any = resp.json()
-    except ValueError:
-        body = resp.text
-    raise error_from_response(resp.status_code, body, retry_after=resp.headers.get("retry-after"))
+    raise response_error(resp.status_code, resp.content, resp.headers.get("retry-after"))
 
 
 def _cut_short(url: str) -> ConnectionFailed:
     return ConnectionFailed(f"POST {url}{_PATH}: the stream ended before [DONE] (connection closed mid-response); "
                             "retry the request")
-
-
-_STREAM_ERROR_STATUS = {"authentication_error": 401, "rate_limit_error": 429, "invalid_request_error": 400,
-                        "service_unavailable": 503}
-
-
-def _sse_data(line: str) -> Any:
-    """A server-sent-event line: its JSON ``data:``, ``_DONE``, or ``None`` (not a data line)."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if data == "[DONE]":
-        return _DONE
-    event = json.loads(data)
-    if "error" in event:  # an error after the stream started
-        etype = str((event["error"] or {}).get("type", ""))
-        raise error_from_response(_STREAM_ERROR_STATUS.get(etype, 500), event)
-    return event
 
 
 def _content(content: str | list[Any]) -> str:
