@@ -11,6 +11,13 @@ One step::
     scheduler.computed   commit the blocks now written (later arrivals read them)
     output.sample/emit   the next token of every request whose prompt is done; stop rules
 
+A constrained request (``SamplingParams.constraint``) has a grammar matcher from admission (a
+bad schema, pattern or grammar is an ``InvalidRequest`` there). Its bitmask row is filled on a
+worker thread while the forward runs; after it, every constrained row of the step is masked in
+one op, the token is drawn from the masked row (logprobs from the raw one), and the matcher
+consumes it (a forced token too: one the grammar refuses fails its request). A complete
+grammar ends the request with ``STOP`` (``server/engine/constraints.py``).
+
 Who computes a position, and under which keys, is ``server/positions.py``'s rule, applied
 once per request at ``add_request``.
 
@@ -28,12 +35,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import torch
 
 from server import positions
 from server.engine.config import EngineConfig, EngineStats
+from server.engine.constraints import GrammarBackend, apply_masks
 from server.engine.detokenize import Decoder, TextStream
 from server.engine.errors import InvalidRequest, Overloaded, PromptTooLong, UnknownModule
 from server.engine.forward import LlamaForward
@@ -80,6 +89,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, self.kv, config, self.stats)
         self.runner = ModelRunner(forward, self.kv, self.modules, block_size=config.block_size, stats=self.stats)
         self.output = OutputProcessor(eos_token_ids, logits_hook)
+        self._grammars: GrammarBackend | None = None
+        self._masker: ThreadPoolExecutor | None = None  # fills constrained rows' masks during the forward
 
     @property
     def forward(self) -> LlamaForward:
@@ -109,6 +120,14 @@ class EngineCore:
     @logits_hook.setter
     def logits_hook(self, hook: Callable[[str, torch.Tensor], None] | None) -> None:
         self.output.logits_hook = hook
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """The constraint backend over this engine's tokenizer and logits width (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend.for_tokenizer(self.tokenizer, self.forward.weights.shape.vocab_size,
+                                                          tuple(sorted(self.eos_token_ids)))
+        return self._grammars
 
     @property
     def base_name(self) -> str:
@@ -154,10 +173,11 @@ class EngineCore:
         if wait is not None:
             raise Overloaded("pinned contexts fill the KV pool; release a context or retry after its TTL",
                              retry_after=wait, reason="kv_pool_pinned")
+        matcher = None if params.constraint is None else self.grammars.matcher(params.constraint)
         seq = Sequence(
             request_id, m, self.runner.module_index.get(module, -1), prompt, ip, params, layout,
             TextStream(self.tokenizer, params.stop), None if params.greedy else params.generator(),
-            capacity, exported=exported,
+            capacity, exported=exported, matcher=matcher,
         )
         self.waiting.append(seq)
         if not exported:
@@ -246,18 +266,58 @@ class EngineCore:
             return events
         self.stats.steps += 1
         started = time.perf_counter()
+        masks = self._fill_masks(work)
         done, failed = self._forward(work)
         events += [self._fail(seq, exc) for seq, exc in failed]
         self.stats.observe_step(sum(n for _, _, n in work),
                                 sum(n for seq, _, n in work if seq.phase is Phase.PREFILL),
                                 time.perf_counter() - started)
+        masked = self._apply_masks(masks, done)
         for (seq, start, n), row in done:
-            event = self._alone(seq, partial(self._advance, upto=start + n, row=row))
+            event = self._alone(seq, partial(self._advance, upto=start + n, row=row, masked=masked.get(seq)))
             if event is not None:
                 events.append(event)
         return events
 
-    def _advance(self, seq: Sequence, upto: int, row: torch.Tensor) -> TokenEvent | None:
+    def _fill_masks(self, work: list[WorkItem]) -> Future[tuple[list[Sequence], torch.Tensor]] | None:
+        """Start filling, on the mask thread, the bitmask rows of the constrained requests that
+        sample this step (their prompt done by it, no forced token), while the forward runs."""
+        seqs = [seq for seq, start, n in work if seq.matcher is not None and seq.pin_ttl is None
+                and start + n >= len(seq.tokens) and seq.num_generated >= len(seq.params.forced_tokens)]
+        if not seqs:
+            return None
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="agentshare-masks")
+
+        def fill() -> tuple[list[Sequence], torch.Tensor]:
+            bitmask = torch.full((len(seqs), seqs[0].matcher.words), -1, dtype=torch.int32)  # type: ignore[union-attr]
+            for i, seq in enumerate(seqs):
+                seq.matcher.fill(bitmask, i)  # type: ignore[union-attr]
+            return seqs, bitmask
+
+        return self._masker.submit(fill)
+
+    def _apply_masks(self, masks: Future[tuple[list[Sequence], torch.Tensor]] | None,
+                     done: list[tuple[WorkItem, torch.Tensor]]) -> dict[Sequence, torch.Tensor]:
+        """The masked rows of the constrained requests (one op for all); a request whose mask
+        could not be computed fails alone when it samples (no masked row for it: see _advance)."""
+        if masks is None:
+            return {}
+        try:
+            seqs, bitmask = masks.result()
+        except Exception as exc:
+            log.error("constraint masks failed", exc_info=exc, extra={"event": "mask_failed"})
+            return {}
+        rows = {item[0]: row for item, row in done}
+        keep = [i for i, seq in enumerate(seqs) if seq in rows]
+        if not keep:
+            return {}
+        raw = torch.stack([rows[seqs[i]].float() for i in keep])
+        out = apply_masks(raw, bitmask[keep])
+        return {seqs[i]: out[j] for j, i in enumerate(keep)}
+
+    def _advance(self, seq: Sequence, upto: int, row: torch.Tensor,
+                 masked: torch.Tensor | None = None) -> TokenEvent | None:
         """After the forward: commit what ``seq`` computed; pin a context whose prompt is done,
         or sample and emit the next token of a request whose prompt is."""
         self.scheduler.computed(seq, upto)
@@ -266,7 +326,9 @@ class EngineCore:
         if seq.pin_ttl is not None:
             return self._pin_context(seq)
         seq.phase = Phase.DECODE
-        return self.output.emit(seq, self.output.sample(seq, row), self._finish)
+        if masked is None and seq.matcher is not None and seq.num_generated >= len(seq.params.forced_tokens):
+            raise RuntimeError("its constraint's mask could not be computed this step")
+        return self.output.emit(seq, self.output.sample(seq, row, masked), self._finish)
 
     def _forward(self, work: list[WorkItem]) -> tuple[list[tuple[WorkItem, torch.Tensor]], list[tuple[Sequence, Exception]]]:
         """Run the step; if it raises, run each request alone (rewriting only its own, not yet

@@ -18,6 +18,7 @@ from enum import Enum
 
 import torch
 
+from server.engine.constraints import Matcher
 from server.engine.detokenize import TextStream
 from server.engine.modules import DecodeModule
 from server.engine.sampling import SamplingParams
@@ -120,6 +121,7 @@ class Sequence:
     exported: bool = False  # a prefill run for a request another worker serves (not a request here)
     imported: list[tuple[int, int]] = field(default_factory=list)  # (block, generation) read first as imported
     first_token_time: float | None = None
+    matcher: Matcher | None = None  # its place in its constraint's grammar (None: unconstrained)
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
