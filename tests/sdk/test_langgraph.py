@@ -48,3 +48,77 @@ async def test_graph_of_agents_shares_one_prefill(server_url: str, anyio_backend
     # and the coder's shared answer (the extend)
     assert spent.prefill_computed_tokens < context_tokens + turns + 64
     assert spent.contexts_pinned == 0  # the release node unpinned it
+
+
+async def test_fan_out_shares_one_prefill_and_retention_follows_the_readers(server_url: str, anyio_backend: str) -> None:
+    from agentshare.errors import NotFoundError
+    from agentshare.langgraph import Retention, fan_out
+
+    async with AsyncClient(server_url) as client:
+        retention = Retention(client)
+        team = fan_out(client, [Agent(n, module=m, instruction=f"Do the {n}.") for n, m in
+                                (("retrieval", "base"), ("planning", "planner"), ("coding", "coder"))],
+                       retention=retention, max_tokens=4, temperature=0)
+        seen: dict[str, object] = {}
+
+        async def check(state: dict) -> dict:  # after the fan-out, before the later reader
+            seen["pending"] = retention.pending(state["context_id"])
+            seen["pinned"] = (await client.attach(state["context_id"])).pinned_tokens
+            return {}
+
+        g = StateGraph(TeamState)
+        g.add_node("context", context_node(client, retention=retention))
+        g.add_node(team.name, team.node)
+        g.add_node("check", check)
+        g.add_node("review", agent_node(client, Agent("review", instruction="Review it."), retention=retention,
+                                        max_tokens=4, temperature=0))
+        g.add_edge(START, "context")
+        g.add_conditional_edges("context", team.route, [team.name])
+        g.add_edge(team.name, "check")
+        g.add_edge("check", "review")
+        g.add_edge("review", END)
+
+        before = await client.metrics()
+        async with retention:
+            out = await g.compile().ainvoke({"document": f"[fan-out {anyio_backend}] {DOC}"})
+            assert retention.held == []  # the last reader (review) released it, not the exit
+        spent = await client.metrics() - before
+        with pytest.raises(NotFoundError):
+            await client.attach(out["context_id"])
+
+    assert set(out["answers"]) == {"retrieval", "planning", "coding", "review"}
+    assert seen["pending"] == 1 and isinstance(seen["pinned"], int) and seen["pinned"] > 300
+    context_tokens = min(u.cached_tokens for u in out["usage"].values())
+    assert context_tokens > 300  # every sibling (and the reviewer) read the shared context from cache
+    turns = sum(u.computed_tokens for u in out["usage"].values())
+    assert spent.prefill_computed_tokens < context_tokens + turns + 64  # the context prefilled once
+
+
+async def test_retention_releases_the_pin_when_a_sibling_fails(server_url: str, anyio_backend: str) -> None:
+    from agentshare.errors import NotFoundError
+    from agentshare.langgraph import Retention, fan_out
+
+    async with AsyncClient(server_url) as client:
+        retention = Retention(client)
+        team = fan_out(client, [Agent("ok", instruction="Say hi."),
+                                Agent("broken", module="no-such-agent", instruction="Say hi.")],
+                       retention=retention, max_tokens=2)
+        g = StateGraph(TeamState)
+        g.add_node("context", context_node(client, retention=retention))
+        g.add_node(team.name, team.node)
+        g.add_node("review", agent_node(client, Agent("review", instruction="Review."), retention=retention,
+                                        max_tokens=2))
+        g.add_edge(START, "context")
+        g.add_conditional_edges("context", team.route, [team.name])
+        g.add_edge(team.name, "review")
+        g.add_edge("review", END)
+        held: list[str] = []
+        with pytest.raises(Exception, match="no-such-agent"):
+            async with retention:
+                try:
+                    await g.compile().ainvoke({"document": f"[failing {anyio_backend}] {DOC}"})
+                finally:
+                    held = retention.held  # the reviewer never ran: its read is still pending
+        assert len(held) == 1 and retention.held == []
+        with pytest.raises(NotFoundError):
+            await client.attach(held[0])
