@@ -69,10 +69,10 @@ class Retention:
 
     It counts pending readers per context id:
 
-    - every :func:`agent_node` made with ``retention=`` is a *later reader*, declared when the
-      graph is built: each context :func:`context_node` creates with this retention starts with
-      that many pending readers;
-    - :func:`fan_out` adds one pending reader per sibling when it routes;
+    - every :func:`agent_node` made with ``retention=`` is a reader, and every sibling of a
+      :func:`fan_out` made with it, all declared when the graph is built: each context
+      :func:`context_node` creates with this retention starts with that many pending readers
+      (so a reader that runs before a fan-out does not unpin it: the siblings are pending);
     - each reader takes one off after its generation ends (also on error or cancellation); the
       one that takes the last releases the pin.
 
@@ -92,7 +92,7 @@ class Retention:
 
     def __init__(self, client: AsyncClient) -> None:
         self.client = client
-        self.later_readers = 0  # agent nodes declared with this retention
+        self.later_readers = 0  # reader nodes (and fan-out siblings) declared with this retention
         self._pending: dict[str, int] = {}
 
     def __repr__(self) -> str:
@@ -106,7 +106,7 @@ class Retention:
         self._pending[context_id] = self._pending.get(context_id, 0) + n
 
     def hold(self, context_id: str, readers: int = 1) -> None:
-        """Add ``readers`` pending readers of a context this retention counts (a fan-out's siblings)."""
+        """Add ``readers`` pending readers of a context this retention counts (readers known only at run time)."""
         if context_id not in self._pending:
             raise KeyError(f"Retention.hold: context {context_id!r} is not counted here; create it with "
                            "context_node(client, retention=...) or call retention.open(id) first")
@@ -230,9 +230,8 @@ def fan_out(client: AsyncClient, agents: Sequence[Agent | str | tuple[Agent | st
 
     ``route(state)`` emits one ``Send(name, ...)`` per agent, each carrying the state and its
     ``context_id``; ``node`` runs that agent on the context and merges its answer and usage
-    into the state (``TeamState``'s reducers). With ``retention``, the route counts one pending
-    reader per sibling, so the pin lasts until the last sibling (and every later reader
-    declared) is done.
+    into the state (``TeamState``'s reducers). With ``retention``, each sibling is a declared
+    reader, so the pin lasts until the last sibling (and every other reader declared) is done.
 
     Args:
         client: the client whose server holds the context.
@@ -261,14 +260,14 @@ def fan_out(client: AsyncClient, agents: Sequence[Agent | str | tuple[Agent | st
     if len(set(names)) != len(names):
         raise ValueError(f"fan_out: agent names must differ (their answers merge by name), got {names}")
     by_name = {a.name: (a, p) for a, p in pairs}
+    if retention is not None:
+        retention.later_readers += len(pairs)
 
     def route(state: State) -> list[Any]:
         from langgraph.types import Send
 
         if "context_id" not in state:
             raise KeyError("fan_out: the state has no context_id; route from a context_node")
-        if retention is not None:
-            retention.hold(state["context_id"], len(pairs))
         return [Send(name, {**state, _AGENT_KEY: a.name}) for a, _ in pairs]
 
     async def node(state: State) -> dict[str, Any]:
