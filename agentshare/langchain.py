@@ -29,6 +29,7 @@ This module imports ``langchain_core`` (install the extra: ``pip install 'agents
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
@@ -158,23 +159,10 @@ class ChatAgentshare(BaseChatModel):
         if launcher is None:
             return str(self.base_url).rstrip("/")
         server = launcher.server
-        if server is not None and not server.running:  # start it from a thread: a loop may be running here
+        if server is not None and not server.running:
             with self._lock:
                 if not server.running:
-                    error: list[BaseException] = []
-
-                    def start() -> None:
-                        try:
-                            anyio.run(server.start)
-                        except BaseException as exc:  # re-raised in the caller's thread
-                            server.kill()
-                            error.append(exc)
-
-                    t = threading.Thread(target=start, name="agentshare-start")
-                    t.start()
-                    t.join()
-                    if error:
-                        raise error[0]
+                    _in_launcher_thread(lambda: anyio.run(server.start), on_error=server.kill)
         return _require_url(launcher.base_url)
 
     async def _url_async(self) -> str:
@@ -428,6 +416,43 @@ class ChatAgentshare(BaseChatModel):
 
 
 # ---- wire format ---------------------------------------------------------------------------------
+
+_launches: queue.Queue[tuple[Callable[[], None], list[BaseException], threading.Event]] = queue.Queue()
+_launcher_lock = threading.Lock()
+_launcher_thread: threading.Thread | None = None
+
+
+def _in_launcher_thread(start: Callable[[], None], *, on_error: Callable[[], None]) -> None:
+    """Run ``start`` (a local server's launch) in the one long-lived launcher thread, and wait.
+
+    Not in the caller's thread: it may run an event loop (sync ``invoke`` in a notebook), or be a
+    ``batch`` worker that exits soon; and the launched child gets SIGTERM when the *thread* that
+    forked it exits (``PR_SET_PDEATHSIG``), so that thread lives as long as the process.
+    """
+    global _launcher_thread
+    with _launcher_lock:
+        if _launcher_thread is None:
+            _launcher_thread = threading.Thread(target=_launcher_loop, name="agentshare-launcher", daemon=True)
+            _launcher_thread.start()
+    error: list[BaseException] = []
+    done = threading.Event()
+    _launches.put((start, error, done))
+    done.wait()
+    if error:
+        on_error()
+        raise error[0]
+
+
+def _launcher_loop() -> None:
+    while True:
+        start, error, done = _launches.get()
+        try:
+            start()
+        except BaseException as exc:  # re-raised in the caller's thread
+            error.append(exc)
+        finally:
+            done.set()
+
 
 def _require_url(url: str | None) -> str:
     if url is None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -90,3 +92,30 @@ def test_an_unknown_agent_is_a_clear_error(server_url: str) -> None:
 
     with pytest.raises(AgentshareError, match="nobody"):
         ChatAgentshare(base_url=server_url, agent="nobody").invoke("Hi")
+
+
+def test_a_not_started_client_is_launched_by_a_sync_call(tiny_model_dir: Path) -> None:
+    from tests.sdk.test_launch import gone, options
+
+    client = AsyncClient(**options(tiny_model_dir))  # type: ignore[arg-type]
+    llm = ChatAgentshare(client=client, max_tokens=2, shared_context="A context pinned on a launched server.")
+    assert llm.invoke("Hi").usage_metadata["output_tokens"] == 2  # type: ignore[index]
+    assert client.server is not None and client.server.process is not None and client.server.running
+    pid = client.server.process.pid
+    llm.close()  # unpins; the client's server is the client's to stop
+    assert client.server.running and llm.context_id is None
+    anyio.run(client.aclose)
+    assert gone(pid)
+
+
+@pytest.mark.slow
+def test_no_server_given_launches_one_and_close_stops_it(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.sdk.test_launch import gone
+
+    monkeypatch.setenv("AGENTSHARE_MODEL", str(tiny_model_dir))
+    llm = ChatAgentshare(max_tokens=2)
+    assert llm.invoke("Hi").usage_metadata["output_tokens"] == 2  # type: ignore[index]
+    assert llm._owned is not None and llm._owned.server is not None and llm._owned.server.process is not None
+    pid = llm._owned.server.process.pid
+    llm.close()
+    assert gone(pid)
