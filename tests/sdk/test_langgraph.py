@@ -122,3 +122,23 @@ async def test_retention_releases_the_pin_when_a_sibling_fails(server_url: str, 
         assert len(held) == 1 and retention.held == []
         with pytest.raises(NotFoundError):
             await client.attach(held[0])
+
+
+async def test_openai_example_graph_reads_the_report_from_the_prefix_cache(server_url: str, anyio_backend: str) -> None:
+    """examples/langgraph_team_openai.py's graph, through plain ChatOpenAI, on the test server."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("langchain_openai")
+    path = Path(__file__).resolve().parents[2] / "examples" / "langgraph_team_openai.py"
+    spec = importlib.util.spec_from_file_location("langgraph_team_openai", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example  # LangGraph resolves the state's hints through the module
+    spec.loader.exec_module(example)
+    out = await example.build(example.chat_model(server_url, max_tokens=4)).ainvoke(
+        {"document": f"[openai {anyio_backend}] {DOC}"})
+    assert out["order"][0] == "retrieval" and sorted(out["order"][1:]) == ["coding", "planning"]
+    assert out["cached"]["retrieval"] < 100  # the first request computed the report
+    assert min(out["cached"]["planning"], out["cached"]["coding"]) > 300  # the siblings read it from cache
