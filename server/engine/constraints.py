@@ -111,7 +111,8 @@ class Matcher:
         """Advance past ``token_id``; raises ``ValueError`` (with llguidance's reason) if the
         grammar does not allow it."""
         if not self._m.consume_token(token_id):
-            raise ValueError(f"token {token_id} does not continue the constraint's grammar: {self._m.get_error()}")
+            reason = self._m.get_error().strip().splitlines()[0]
+            raise ValueError(f"token {token_id} does not continue the constraint's grammar: {reason}")
 
     @property
     def stopped(self) -> bool:
