@@ -142,3 +142,25 @@ async def test_openai_example_graph_reads_the_report_from_the_prefix_cache(serve
     assert out["order"][0] == "retrieval" and sorted(out["order"][1:]) == ["coding", "planning"]
     assert out["cached"]["retrieval"] < 100  # the first request computed the report
     assert min(out["cached"]["planning"], out["cached"]["coding"]) > 300  # the siblings read it from cache
+
+
+async def test_sdk_example_graph_runs_and_leaves_no_pin(server_url: str, anyio_backend: str) -> None:
+    """examples/langgraph_team.py's graph on the test server: every agent reads the one context."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "langgraph_team.py"
+    spec = importlib.util.spec_from_file_location("langgraph_team", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example
+    spec.loader.exec_module(example)
+    async with AsyncClient(server_url) as client:
+        out = await example.run(client, f"[example {anyio_backend}] {DOC}", 4)
+        from agentshare.errors import NotFoundError
+
+        with pytest.raises(NotFoundError):
+            await client.attach(out["context_id"])
+    assert set(out["answers"]) == {"retrieval", "planning", "coding"}
+    assert min(u.cached_tokens for u in out["usage"].values()) > 300
