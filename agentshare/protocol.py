@@ -119,11 +119,15 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content: a {self.role!r} message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message carries tool calls, not a {self.role!r} one")
         return self
 
     def text(self) -> str:
@@ -136,6 +140,60 @@ class ChatMessage(_Request):
     def as_template_message(self) -> dict[str, str]:
         """The ``{"role", "content"}`` dict a chat template reads (``developer`` reads as system)."""
         return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+class FunctionCall(_Request):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class ToolCall(_Request):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    """``{"type": "function", "function": {"name", "description"?, "parameters"?}}``."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: Text
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: Text | None = None
+
+
+class ResponseFormat(_Request):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}")
+        return self
 
 
 class StreamOptions(_Request):
@@ -279,8 +337,22 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must be unique; got {names}")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {self.tool_choice.function.name!r} is not among the "
+                             f"request's tools ({', '.join(names) or 'none given'})")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs at least one entry in 'tools'")
+        return self
 
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (what newer clients such as ChatOpenAI send), else ``max_tokens``."""
@@ -334,12 +406,13 @@ class ChoiceLogprobs(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChoiceLogprobs | None = None
 
 
@@ -353,15 +426,28 @@ class ChatCompletion(_Response):
     system_fingerprint: str | None = None
 
 
+class DeltaFunction(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
 class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(_Response):
     index: int
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChoiceLogprobs | None = None
 
 

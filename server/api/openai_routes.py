@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -28,7 +29,10 @@ from agentshare.protocol import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    ConstraintSpec,
     Delta,
+    DeltaFunction,
+    DeltaToolCall,
     Model,
     ModelList,
     Usage,
@@ -43,9 +47,17 @@ from server.api.generation import (
     until_disconnect,
 )
 from server.api.openai_render import Choices, TokenText, finish_of
-from server.api.prompts import chat_request_prompt, completion_prompts
+from server.api.prompts import completion_prompts
 from server.api.sse import DONE, event_stream, prime, sse, sse_error
+from server.api.tools import (
+    active_tools,
+    constraint_of,
+    could_be_call,
+    parse_tool_calls,
+    render_messages,
+)
 from server.engine.sampling import SamplingParams
+from server.prompt import chat_prompt
 
 router = APIRouter()
 
@@ -61,13 +73,15 @@ async def list_models(request: Request, _: Caller) -> ModelList:
 async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller) -> Response | ChatCompletion:
     state = server_state(request)
     _refuse_unsupported(body)
-    if body.tools:
-        raise unprocessable("tools: function calling is not supported by this server", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise unprocessable("response_format: only {'type': 'text'} is supported", param="response_format")
     card = agent(state, body.model)
-    prompt = chat_request_prompt(state.facts.tokenizer, body.messages)
-    params = SamplingParams.from_spec(body.sampling(), default_max_tokens=state.config.default_max_tokens)
+    tools = active_tools(body)
+    rendered = render_messages(body.messages, tools, native=False)
+    prompt = chat_prompt(state.facts.tokenizer, rendered[:-1], rendered[-1:])
+    spec = body.sampling()
+    constraint = constraint_of(body)
+    if constraint is not None:
+        spec = spec.model_copy(update={"constraint": ConstraintSpec(kind=constraint.kind, value=constraint.value)})  # type: ignore[arg-type]
+    params = SamplingParams.from_spec(spec, default_max_tokens=state.config.default_max_tokens)
     n, rid = body.n or 1, new_id("chatcmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream, prompt_tokens=len(prompt.token_ids))
     events = stream_choices(state.backend, state.metrics, rid, card.name, [prompt], params, n=n, salt=who.salt)
@@ -75,27 +89,49 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     tt = TokenText(state.facts.tokenizer) if body.logprobs else None
     if body.stream:
         primed = await until_disconnect(request, prime(events))
-        return event_stream(_chat_chunks(primed, Choices(n_per_prompt=n, total=n), head, tt, body.include_usage, request))
+        return event_stream(_chat_chunks(primed, Choices(n_per_prompt=n, total=n), head, tt, body.include_usage,
+                                         request, bool(tools)))
     acc = Choices(n_per_prompt=n, total=n)
     await until_disconnect(request, collect(events, acc.add))
-    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(st.text)),
-                          finish_reason=finish_of(st.finish) or "stop",
-                          logprobs=tt.chat(st.events) if tt else None) for i, st in enumerate(acc.states)]
+    choices = []
+    for i, st in enumerate(acc.states):
+        text = "".join(st.text)
+        calls = parse_tool_calls(text, f"{rid}:{i}") if tools else None
+        message = AssistantMessage(content=None, tool_calls=calls) if calls else AssistantMessage(content=text)  # type: ignore[arg-type]
+        choices.append(ChatChoice(index=i, message=message,
+                                  finish_reason="tool_calls" if calls else finish_of(st.finish) or "stop",
+                                  logprobs=tt.chat(st.events) if tt else None))
     usage = _logged_usage(request, acc)
     return ChatCompletion(choices=choices, usage=usage, **head)  # type: ignore[arg-type]
 
 
 async def _chat_chunks(events: AsyncIterator[ChoiceEvent], acc: Choices, head: dict[str, object],
-                       tt: TokenText | None, include_usage: bool, request: Request) -> AsyncIterator[bytes]:
+                       tt: TokenText | None, include_usage: bool, request: Request,
+                       tools: bool = False) -> AsyncIterator[bytes]:
+    held: dict[int, str] = {}  # per choice: text held back while it may still become a tool call
     try:
         async for item in events:
             check_finish(item.event)
             st, ev = acc.add(item), item.event
-            finish = finish_of(ev.finish_reason)
+            finish: Literal["stop", "length", "tool_calls"] | None = finish_of(ev.finish_reason)
             lp = tt.chat([ev]) if tt is not None and ev.token_id is not None else None
-            if not ev.text and finish is None and lp is None:
+            text, calls = ev.text, None
+            if tools and (item.index in held or not st.started):
+                text = held.pop(item.index, "") + text
+                if finish is not None:
+                    calls = parse_tool_calls(text, f"{head['id']}:{item.index}")
+                elif could_be_call(text):
+                    held[item.index] = text
+                    continue
+            if not text and finish is None and lp is None:
                 continue  # nothing final to say yet (held back for a stop string or a split character)
-            delta = Delta(role=None if st.started else "assistant", content=ev.text)
+            if calls:
+                delta = Delta(role=None if st.started else "assistant", tool_calls=[
+                    DeltaToolCall(index=k, id=c["id"], type="function", function=DeltaFunction(**c["function"]))
+                    for k, c in enumerate(calls)])
+                finish = "tool_calls"
+            else:
+                delta = Delta(role=None if st.started else "assistant", content=text)
             st.started = True
             yield sse(ChatCompletionChunk(choices=[ChunkChoice(index=item.index, delta=delta, finish_reason=finish,
                                                                logprobs=lp)], **head))  # type: ignore[arg-type]

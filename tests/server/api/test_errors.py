@@ -60,8 +60,8 @@ def error(r: httpx.Response, status: int) -> str:
     ({**CHAT, "presence_penalty": -3}, 422, "presence_penalty", ["presence_penalty", "greater than or equal to -2"]),
     ({**CHAT, "repetition_penalty": 0}, 422, "repetition_penalty", ["repetition_penalty", "greater than 0"]),
     ({**CHAT, "logit_bias": {"42": 3}}, 422, "logit_bias", ["logit_bias", "not supported"]),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 422, "tools", ["tools", "function calling"]),
-    ({**CHAT, "response_format": {"type": "json_object"}}, 422, "response_format", ["response_format", "text"]),
+    ({**CHAT, "tools": [{"type": "web", "function": {"name": "f"}}]}, 422, "tools", ["tools", "function"]),
+    ({**CHAT, "response_format": {"type": "xml"}}, 422, "response_format", ["response_format", "json_schema"]),
 ])
 def test_bad_chat_requests(http: httpx.Client, body: dict, status: int, param: str, words: list[str]) -> None:
     r = post_json(http, "/v1/chat/completions", body)

@@ -1,0 +1,170 @@
+"""OpenAI tools and structured outputs on a chat request: the tool prompt, the constraint that
+holds the output to a tool call or a schema, and the parser that turns output into tool calls.
+
+The format (the one SmolLM2 was trained on, used when the chat template has no tool support):
+the tools are listed as JSON inside ``<tools>...</tools>`` and the model answers a call as
+``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``. The tool prompt is appended
+to the agent's final message, after the invocation point, so the shared context renders the
+same whatever tools an agent has (docs/tools.md).
+
+>>> tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+>>> calls = parse_tool_calls('<tool_call>[{"name": "add", "arguments": {"a": 1}}]</tool_call>', "chatcmpl-1")
+>>> calls[0]["function"], calls[0]["id"] == call_id("chatcmpl-1", 0)
+({'name': 'add', 'arguments': '{"a": 1}'}, True)
+>>> parse_tool_calls("just text", "chatcmpl-1") is None
+True
+>>> could_be_call("<tool_c"), could_be_call("Hello")
+(True, False)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from agentshare.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from server.engine.constraints import Constraint
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+TOOL_PROMPT = (
+    "\n\nYou have access to the following tools:\n<tools>{tools}</tools>\n\n"
+    "To call tools, answer only with a list of calls in this exact form:\n"
+    '<tool_call>[{{"name": "tool name", "arguments": {{"argument": "value"}}}}]</tool_call>\n'
+    "If no tool is needed, or a tool result above already answers the question, answer in plain text."
+)
+RESULT_PROMPT = "\n\nAnswer the question using the tool results above."
+
+
+def template_supports_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's own chat template renders ``tools`` (then it gets them as ``tools=``)."""
+    source = getattr(tokenizer, "chat_template", None)
+    return isinstance(source, str) and "tools" in source
+
+
+def active_tools(body: ChatCompletionRequest) -> list[Tool]:
+    """The tools the model is told about: none for ``tool_choice="none"``, the named one for a
+    named choice, else all of them."""
+    tools = body.tools or []
+    if body.tool_choice == "none":
+        return []
+    if isinstance(body.tool_choice, NamedToolChoice):
+        return [t for t in tools if t.function.name == body.tool_choice.function.name]
+    return list(tools)
+
+
+def tool_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON shape of one tool's function definition as listed in the prompt."""
+    f = tool.function
+    out: dict[str, Any] = {"name": f.name}
+    if f.description:
+        out["description"] = f.description
+    out["parameters"] = f.parameters or {"type": "object", "properties": {}}
+    return out
+
+
+def render_messages(messages: Sequence[ChatMessage], tools: Sequence[Tool], *, native: bool) -> list[dict[str, str]]:
+    """Template messages of a chat request: assistant tool calls as their ``<tool_call>`` text,
+    tool results as role ``tool``, and (unless the template takes ``tools=`` itself) the tool
+    prompt appended to the final message.
+
+    >>> m = [ChatMessage(role="user", content="2+3?"),
+    ...      ChatMessage(role="assistant", tool_calls=[{"id": "c", "function": {"name": "add", "arguments": '{"a": 2}'}}]),
+    ...      ChatMessage(role="tool", content="5", tool_call_id="c")]
+    >>> [r["content"] for r in render_messages(m, [], native=False)]
+    ['2+3?', '<tool_call>[{"name": "add", "arguments": {"a": 2}}]</tool_call>', '5\\n\\nAnswer the question using the tool results above.']
+    """
+    out: list[dict[str, str]] = []
+    for m in messages:
+        d = m.as_template_message()
+        if m.role == "assistant" and m.tool_calls:
+            calls = [{"name": c.function.name, "arguments": _loads_or_text(c.function.arguments)} for c in m.tool_calls]
+            d["content"] = (d["content"] + "\n" if d["content"] else "") + OPEN + json.dumps(calls) + CLOSE
+        out.append(d)
+    if out and not native:
+        last = messages[-1]
+        if tools:
+            out[-1]["content"] += TOOL_PROMPT.format(tools=json.dumps([tool_schema(t) for t in tools]))
+        if last.role == "tool":
+            out[-1]["content"] += RESULT_PROMPT
+    return out
+
+
+def _loads_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def constraint_of(body: ChatCompletionRequest) -> Constraint | None:
+    """The constraint a request's ``tool_choice`` / ``response_format`` puts on its output.
+
+    >>> b = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+    ...     tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")
+    >>> print(constraint_of(b).value.splitlines()[0])
+    start: "<tool_call>[" call ("," call)* "]</tool_call>"
+    """
+    tools = active_tools(body)
+    if tools and body.tool_choice not in (None, "auto"):  # required or a named function
+        return Constraint("lark", call_grammar(tools, parallel=body.parallel_tool_calls))
+    if tools:
+        return Constraint("lark", call_grammar(tools, parallel=body.parallel_tool_calls, or_text=True))
+    rf = body.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return Constraint("json_object")
+    assert rf.json_schema is not None
+    return Constraint("json_schema", json.dumps(rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}))
+
+
+def call_grammar(tools: Sequence[Tool], *, parallel: bool, or_text: bool = False) -> str:
+    """A grammar (llguidance's Lark dialect) for ``<tool_call>[call, ...]</tool_call>``: each call is
+    ``{"name": <a tool>, "arguments": <its parameters>}``; one call only unless ``parallel``;
+    with ``or_text``, plain text that does not start with ``<`` is allowed instead."""
+    schema = {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": t.function.name},
+        "arguments": t.function.parameters or {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+    calls = 'call ("," call)*' if parallel else "call"
+    lines = [f'start: "{OPEN}[" {calls} "]{CLOSE}"', f"call: %json {json.dumps(schema)}"]
+    if or_text:
+        lines[0] = f'start: TEXT | "{OPEN}[" {calls} "]{CLOSE}"'
+        lines.append(r"TEXT: /[^<\s][^\x00]*/")
+    return "\n".join(lines)
+
+
+def call_id(request_id: str, index: int) -> str:
+    """A stable id for call ``index`` of a request (the same in whole and streamed responses)."""
+    return "call_" + hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()[:24]
+
+
+def parse_tool_calls(text: str, request_id: str) -> list[dict[str, Any]] | None:
+    """OpenAI ``tool_calls`` of an output that is a ``<tool_call>[...]</tool_call>`` block, else ``None``."""
+    body = text.strip()
+    if not (body.startswith(OPEN) and body.endswith(CLOSE)):
+        return None
+    try:
+        parsed = json.loads(body[len(OPEN):-len(CLOSE)])
+    except json.JSONDecodeError:
+        return None
+    if isinstance(parsed, dict):
+        parsed = [parsed]
+    if not isinstance(parsed, list) or not parsed:
+        return None
+    out = []
+    for i, c in enumerate(parsed):
+        if not (isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments", {}), dict)):
+            return None
+        out.append({"id": call_id(request_id, i), "type": "function",
+                    "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}))}})
+    return out
+
+
+def could_be_call(text: str) -> bool:
+    """Whether streamed output so far may still become a tool call (so it is held back)."""
+    s = text.lstrip()
+    return OPEN.startswith(s) or s.startswith(OPEN)

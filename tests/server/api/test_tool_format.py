@@ -1,0 +1,122 @@
+"""The tool format without a server: prompt rendering, grammars, parsing, stream hold-back."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from agentshare.protocol import ChatCompletionRequest, ChatMessage, Tool
+from server.api.tools import (
+    TOOL_PROMPT,
+    call_grammar,
+    call_id,
+    constraint_of,
+    could_be_call,
+    parse_tool_calls,
+    render_messages,
+)
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                        "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                                        "b": {"type": "integer"}},
+                                                       "required": ["a", "b"]}}}
+USER = {"role": "user", "content": "What is 2 + 3?"}
+
+
+def req(**kw: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [USER], **kw})
+
+
+def test_tool_prompt_goes_on_the_final_message_only() -> None:
+    msgs = [ChatMessage(role="user", content="doc"), ChatMessage(**USER)]  # type: ignore[arg-type]
+    out = render_messages(msgs, [Tool.model_validate(ADD)], native=False)
+    assert out[0] == {"role": "user", "content": "doc"}
+    assert out[1]["content"].startswith(USER["content"]) and "<tools>" in out[1]["content"]
+    listed = json.loads(out[1]["content"].split("<tools>")[1].split("</tools>")[0])
+    assert listed == [{"name": "add", "description": "Add two integers", "parameters": ADD["function"]["parameters"]}]
+    assert render_messages(msgs, [], native=False)[1]["content"] == USER["content"]
+
+
+def test_history_calls_and_results_render_as_text() -> None:
+    msgs = [ChatMessage(**USER),  # type: ignore[arg-type]
+            ChatMessage(role="assistant", tool_calls=[{"id": "c1", "function": {"name": "add",  # type: ignore[list-item]
+                                                                                  "arguments": '{"a": 2, "b": 3}'}}]),
+            ChatMessage(role="tool", content="5", tool_call_id="c1")]
+    out = render_messages(msgs, [], native=False)
+    assert out[1] == {"role": "assistant", "content": '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>'}
+    assert out[2]["role"] == "tool" and out[2]["content"].startswith("5\n\n") and "tool results" in out[2]["content"]
+
+
+def test_parse_round_trip_and_refusals() -> None:
+    calls = parse_tool_calls('<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}, '
+                             '{"name": "add", "arguments": {"a": 1, "b": 1}}]</tool_call>', "r")
+    assert calls is not None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"a": 2, "b": 3},
+                                                                                              {"a": 1, "b": 1}]
+    assert [c["id"] for c in calls] == [call_id("r", 0), call_id("r", 1)] and calls[0]["id"] != calls[1]["id"]
+    assert len(calls[0]["id"]) == len("call_") + 24
+    for bad in ["<tool_call>[{\"name\": 1}]</tool_call>", "<tool_call>[not json]</tool_call>",
+                "<tool_call>[]</tool_call>", "say <tool_call>[]</tool_call>", "plain"]:
+        assert parse_tool_calls(bad, "r") is None, bad
+
+
+def test_hold_back() -> None:
+    assert all(could_be_call(s) for s in ["", "<", " <tool", "<tool_call>[{\"na"])
+    assert not any(could_be_call(s) for s in ["Hi", "<b>", "x<tool_call>"])
+
+
+@pytest.mark.parametrize(("kw", "kind"), [
+    ({}, None), ({"tools": [ADD], "tool_choice": "none"}, None), ({"response_format": {"type": "text"}}, None),
+    ({"tools": [ADD]}, "lark"), ({"tools": [ADD], "tool_choice": "required"}, "lark"),
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
+     "json_schema"),
+])
+def test_constraint_of(kw: dict, kind: str | None) -> None:
+    c = constraint_of(req(**kw))
+    assert (c.kind if c else None) == kind
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    """Whether llguidance's matcher accepts ``text`` as a whole output of ``grammar`` (by bytes)."""
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTok()))  # type: ignore[arg-type]
+    m = llguidance.LLMatcher(tok, llguidance.grammar_from("lark", grammar))
+    for b in text.encode():
+        if not m.consume_token(b):
+            return False
+    return m.is_accepting()
+
+
+class _ByteTok:
+    """A byte-level toy tokenizer for llguidance (token i = byte i, 256 = end)."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, s: bytes) -> list[int]:
+        return list(s)
+
+
+@pytest.mark.parametrize(("parallel", "or_text", "text", "ok"), [
+    (True, False, '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>', True),
+    (True, False, '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}},{"name": "add", "arguments": '
+                  '{"a": 1, "b": 1}}]</tool_call>', True),
+    (False, False, '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}},{"name": "add", "arguments": '
+                   '{"a": 1, "b": 1}}]</tool_call>', False),
+    (True, False, '<tool_call>[{"name": "sub", "arguments": {"a": 2, "b": 3}}]</tool_call>', False),
+    (True, False, '<tool_call>[{"name": "add", "arguments": {"a": "2"}}]</tool_call>', False),
+    (True, False, "The answer is 5.", False),
+    (True, True, "The answer is 5.", True),
+    (True, True, "<b>5</b>", False),
+])
+def test_call_grammar(parallel: bool, or_text: bool, text: str, ok: bool) -> None:
+    g = call_grammar([Tool.model_validate(ADD)], parallel=parallel, or_text=or_text)
+    assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", g)) == ""
+    assert _accepts(g, text) is ok
+
+
+def test_prompt_template_is_documented_format() -> None:
+    assert "<tools>" in TOOL_PROMPT and "<tool_call>[" in TOOL_PROMPT
