@@ -128,7 +128,8 @@ def call_grammar(tools: Sequence[Tool], *, parallel: bool, or_text: bool = False
     schema = {"anyOf": [{"type": "object", "properties": {
         "name": {"const": t.function.name},
         "arguments": t.function.parameters or {"type": "object"}},
-        "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+        "required": ["name", "arguments"], "additionalProperties": False} for t in tools],
+        "x-guidance": {"whitespace_flexible": False}}  # compact: free whitespace could run to max_tokens
     calls = 'call ("," call)*' if parallel else "call"
     lines = [f'start: "{OPEN}[" {calls} "]{CLOSE}"', f"call: %json {json.dumps(schema)}"]
     if or_text:

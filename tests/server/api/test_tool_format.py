@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import llguidance
 import pytest
@@ -18,10 +19,10 @@ from server.api.tools import (
     render_messages,
 )
 
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers",
-                                        "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                                                        "b": {"type": "integer"}},
-                                                       "required": ["a", "b"]}}}
+ADD: dict[str, Any] = {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                                                        "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                                       "required": ["a", "b"], "additionalProperties": False}}}
 USER = {"role": "user", "content": "What is 2 + 3?"}
 
 
@@ -80,7 +81,7 @@ def test_constraint_of(kw: dict, kind: str | None) -> None:
 
 def _accepts(grammar: str, text: str) -> bool:
     """Whether llguidance's matcher accepts ``text`` as a whole output of ``grammar`` (by bytes)."""
-    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTok()))  # type: ignore[arg-type]
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTok()))
     m = llguidance.LLMatcher(tok, llguidance.grammar_from("lark", grammar))
     for b in text.encode():
         if not m.consume_token(b):
@@ -93,21 +94,23 @@ class _ByteTok:
 
     eos_token_id = 256
     bos_token_id = None
-    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
-    special_token_ids = [256]
+
+    def __init__(self) -> None:
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+        self.special_token_ids = [256]
 
     def __call__(self, s: bytes) -> list[int]:
         return list(s)
 
 
 @pytest.mark.parametrize(("parallel", "or_text", "text", "ok"), [
-    (True, False, '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>', True),
-    (True, False, '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}},{"name": "add", "arguments": '
-                  '{"a": 1, "b": 1}}]</tool_call>', True),
-    (False, False, '<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}},{"name": "add", "arguments": '
-                   '{"a": 1, "b": 1}}]</tool_call>', False),
-    (True, False, '<tool_call>[{"name": "sub", "arguments": {"a": 2, "b": 3}}]</tool_call>', False),
-    (True, False, '<tool_call>[{"name": "add", "arguments": {"a": "2"}}]</tool_call>', False),
+    (True, False, '<tool_call>[{"name":"add","arguments":{"a":2,"b":3}}]</tool_call>', True),
+    (True, False, '<tool_call>[{"name":"add","arguments":{"a":2,"b":3}},{"name":"add","arguments":'
+                  '{"a":1,"b":1}}]</tool_call>', True),
+    (False, False, '<tool_call>[{"name":"add","arguments":{"a":2,"b":3}},{"name":"add","arguments":'
+                   '{"a":1,"b":1}}]</tool_call>', False),
+    (True, False, '<tool_call>[{"name":"sub","arguments":{"a":2,"b":3}}]</tool_call>', False),
+    (True, False, '<tool_call>[{"name":"add","arguments":{"a":"2"}}]</tool_call>', False),
     (True, False, "The answer is 5.", False),
     (True, True, "The answer is 5.", True),
     (True, True, "<b>5</b>", False),
