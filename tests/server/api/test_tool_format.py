@@ -123,3 +123,74 @@ def test_call_grammar(parallel: bool, or_text: bool, text: str, ok: bool) -> Non
 
 def test_prompt_template_is_documented_format() -> None:
     assert "<tools>" in TOOL_PROMPT and "<tool_call>[" in TOOL_PROMPT
+
+
+NOARGS: dict[str, Any] = {"type": "function", "function": {"name": "now"}}
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ('<tool_call>[{"name":"add","arguments":{"a":2,"b":3}}]</tool_call>', True),
+    ('<tool_call>[{"name":"add"}]</tool_call>', False),  # arguments are required
+    ('<tool_call>[{"arguments":{"a":2,"b":3}}]</tool_call>', False),  # so is the name
+    ('<tool_call>[{"name":"add","arguments":{"a":2,"b":3},"why":"x"}]</tool_call>', False),  # no extra keys
+    ('<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>', False),  # compact JSON only
+    ('<tool_call>[{"name":"now","arguments":{}}]</tool_call>', True),  # a tool without parameters: an object
+    ('<tool_call>[{"name":"now","arguments":[]}]</tool_call>', False),
+])
+def test_call_grammar_keys(text: str, ok: bool) -> None:
+    g = call_grammar([Tool.model_validate(ADD), Tool.model_validate(NOARGS)], parallel=True)
+    assert _accepts(g, text) is ok
+
+
+def test_auto_allows_text_and_required_does_not() -> None:
+    tools = {"tools": [ADD]}
+    auto, required = constraint_of(req(**tools)), constraint_of(req(**tools, tool_choice="required"))
+    assert auto is not None and required is not None
+    assert _accepts(auto.value, "The answer is 5.") and not _accepts(required.value, "The answer is 5.")
+    single = constraint_of(req(**tools, tool_choice="required", parallel_tool_calls=False))
+    assert single is not None
+    two = '<tool_call>[{"name":"add","arguments":{"a":2,"b":3}},{"name":"add","arguments":{"a":1,"b":1}}]</tool_call>'
+    assert _accepts(required.value, two) and not _accepts(single.value, two)
+
+
+def test_response_format_schema_is_the_callers() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    c = constraint_of(req(response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}))
+    assert c is not None and json.loads(c.value) == schema
+
+
+def test_a_tool_without_parameters_is_listed_with_an_empty_object() -> None:
+    out = render_messages([ChatMessage(**USER)], [Tool.model_validate(NOARGS)], native=False)  # type: ignore[arg-type]
+    listed = json.loads(out[0]["content"].split("<tools>")[1].split("</tools>")[0])
+    assert listed == [{"name": "now", "parameters": {"type": "object", "properties": {}}}]
+
+
+def test_an_assistant_message_with_text_and_calls_keeps_both() -> None:
+    msgs = [ChatMessage(**USER),  # type: ignore[arg-type]
+            ChatMessage(role="assistant", content="Let me add.",
+                        tool_calls=[{"id": "c1", "function": {"name": "add", "arguments": "{}"}}]),  # type: ignore[list-item]
+            ChatMessage(role="user", content="go on")]
+    out = render_messages(msgs, [], native=False)
+    assert out[1]["content"] == 'Let me add.\n<tool_call>[{"name": "add", "arguments": {}}]</tool_call>'
+    assert out[2] == {"role": "user", "content": "go on"}  # no tools: nothing appended
+    plain = render_messages([ChatMessage(role="assistant", content="hi"), ChatMessage(**USER)], [], native=False)  # type: ignore[arg-type]
+    assert plain[0] == {"role": "assistant", "content": "hi"}
+
+
+def test_parsed_calls_have_the_openai_shape() -> None:
+    calls = parse_tool_calls('<tool_call>[{"name": "add", "arguments": {"a": 2, "b": 3}}]</tool_call>', "r:0")
+    assert calls is not None and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert parse_tool_calls('<tool_call>[{"name": "add", "arguments": {}}]', "r:0") is None  # unclosed
+    assert parse_tool_calls('[{"name": "add", "arguments": {}}]</tool_call>', "r:0") is None  # unopened
+
+
+def test_template_supports_tools() -> None:
+    from server.api.tools import template_supports_tools
+
+    class Tok:
+        def __init__(self, template: object) -> None:
+            self.chat_template = template
+
+    assert template_supports_tools(Tok("{% if tools %}{{ tools | tojson }}{% endif %}"))
+    assert not template_supports_tools(Tok("{% for m in messages %}{{ m['content'] }}{% endfor %}"))
+    assert not template_supports_tools(Tok(None)) and not template_supports_tools(object())
