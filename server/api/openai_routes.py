@@ -29,7 +29,6 @@ from agentshare.protocol import (
     Completion,
     CompletionChoice,
     CompletionRequest,
-    ConstraintSpec,
     Delta,
     DeltaFunction,
     DeltaToolCall,
@@ -47,17 +46,15 @@ from server.api.generation import (
     until_disconnect,
 )
 from server.api.openai_render import Choices, TokenText, finish_of
-from server.api.prompts import completion_prompts
+from server.api.prompts import chat_request_prompt, completion_prompts
 from server.api.sse import DONE, event_stream, prime, sse, sse_error
 from server.api.tools import (
     active_tools,
     constraint_of,
     could_be_call,
     parse_tool_calls,
-    render_messages,
 )
 from server.engine.sampling import SamplingParams
-from server.prompt import chat_prompt
 
 router = APIRouter()
 
@@ -75,12 +72,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     _refuse_unsupported(body)
     card = agent(state, body.model)
     tools = active_tools(body)
-    rendered = render_messages(body.messages, tools, native=False)
-    prompt = chat_prompt(state.facts.tokenizer, rendered[:-1], rendered[-1:])
-    spec = body.sampling()
-    constraint = constraint_of(body)
-    if constraint is not None:
-        spec = spec.model_copy(update={"constraint": ConstraintSpec(kind=constraint.kind, value=constraint.value)})  # type: ignore[arg-type]
+    prompt = chat_request_prompt(state.facts.tokenizer, body.messages, tools)
+    spec = body.sampling().model_copy(update={"constraint": constraint_of(body)})
     params = SamplingParams.from_spec(spec, default_max_tokens=state.config.default_max_tokens)
     n, rid = body.n or 1, new_id("chatcmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream, prompt_tokens=len(prompt.token_ids))

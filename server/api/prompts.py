@@ -22,14 +22,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from agentshare.protocol import ChatMessage
+from agentshare.protocol import ChatMessage, Tool
 from server.api.errors import ApiError, unprocessable
+from server.api.tools import render_messages
 from server.prompt import ChatTokenizer, Prompt, chat_prompt, text_prompt
 
 
-def chat_request_prompt(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage]) -> Prompt:
-    """context = messages[:-1], the agent's turn = messages[-1:]."""
-    rendered = [m.as_template_message() for m in messages]
+def chat_request_prompt(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage],
+                        tools: Sequence[Tool] | None = None) -> Prompt:
+    """context = messages[:-1], the agent's turn = messages[-1:]. With ``tools`` (an OpenAI chat
+    request's, possibly none), tool calls, tool results and the tool prompt are rendered as
+    ``server/api/tools.py`` lays them out."""
+    rendered = ([m.as_template_message() for m in messages] if tools is None
+                else render_messages(messages, tools, native=False))
     return chat_prompt(tokenizer, rendered[:-1], rendered[-1:])
 
 

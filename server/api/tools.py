@@ -24,8 +24,13 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from agentshare.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
-from server.engine.constraints import Constraint
+from agentshare.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ConstraintSpec,
+    NamedToolChoice,
+    Tool,
+)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -99,7 +104,7 @@ def _loads_or_text(text: str) -> Any:
         return text
 
 
-def constraint_of(body: ChatCompletionRequest) -> Constraint | None:
+def constraint_of(body: ChatCompletionRequest) -> ConstraintSpec | None:
     """The constraint a request's ``tool_choice`` / ``response_format`` puts on its output.
 
     >>> b = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
@@ -109,16 +114,17 @@ def constraint_of(body: ChatCompletionRequest) -> Constraint | None:
     """
     tools = active_tools(body)
     if tools and body.tool_choice not in (None, "auto"):  # required or a named function
-        return Constraint("lark", call_grammar(tools, parallel=body.parallel_tool_calls))
+        return ConstraintSpec(kind="lark", value=call_grammar(tools, parallel=body.parallel_tool_calls))
     if tools:
-        return Constraint("lark", call_grammar(tools, parallel=body.parallel_tool_calls, or_text=True))
+        return ConstraintSpec(kind="lark", value=call_grammar(tools, parallel=body.parallel_tool_calls, or_text=True))
     rf = body.response_format
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
-        return Constraint("json_object")
+        return ConstraintSpec(kind="json_object")
     assert rf.json_schema is not None
-    return Constraint("json_schema", json.dumps(rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}))
+    return ConstraintSpec(kind="json_schema",
+                          value=json.dumps(rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}))
 
 
 def call_grammar(tools: Sequence[Tool], *, parallel: bool, or_text: bool = False) -> str:
