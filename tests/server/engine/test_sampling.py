@@ -340,3 +340,12 @@ def test_from_spec_clamps_what_float32_sampling_cannot_represent(given, field, v
 def test_from_spec_refuses_a_bad_value_as_the_engine_does():
     with pytest.raises(InvalidRequest, match="presence_penalty"):
         SamplingParams.from_spec(SamplingSpec(presence_penalty=5.0))
+
+
+def test_from_spec_carries_the_constraint() -> None:
+    from agentshare.protocol import ConstraintSpec, SamplingSpec
+    from server.engine.constraints import Constraint
+
+    spec = SamplingSpec(constraint=ConstraintSpec(kind="regex", value="a+"))
+    assert SamplingParams.from_spec(spec).constraint == Constraint("regex", "a+")
+    assert SamplingParams.from_spec(SamplingSpec()).constraint is None
