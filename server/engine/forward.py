@@ -44,9 +44,12 @@ class LlamaForward:
     projection: Projection = field(default_factory=BaseProjection)
 
     @classmethod
-    def from_hf(cls, model: torch.nn.Module, *, dtype: torch.dtype | None = None) -> LlamaForward:
-        """From a transformers ``*ForCausalLM`` (config and weights)."""
-        weights = ModelWeights.from_hf(model, dtype=dtype)
+    def from_hf(
+        cls, model: torch.nn.Module, *, dtype: torch.dtype | None = None, pack: bool | None = None
+    ) -> LlamaForward:
+        """From a transformers ``*ForCausalLM`` (config and weights; ``pack``: see
+        :meth:`ModelWeights.from_hf`)."""
+        weights = ModelWeights.from_hf(model, dtype=dtype, pack=pack)
         return cls(weights, Rope.from_config(model.config, weights.shape.head_dim))
 
     def kv_spec(self) -> KVSpec:
@@ -68,7 +71,7 @@ class LlamaForward:
         if int(plan.positions.max()) >= s.max_context:
             raise ValueError(f"position {int(plan.positions.max())} beyond the context of {s.max_context}")
         project = projection or self.projection
-        cos, sin = self.rope.cos_sin(plan.positions, w.dtype)
+        cos, sin = self.rope.tables(plan.positions, w.dtype)
         h = F.embedding(plan.token_ids, w.embed)
         for i, layer in enumerate(w.layers):
             h = self._layer(i, layer, h, cos, sin, plan, kv, project)
@@ -92,14 +95,15 @@ class LlamaForward:
         t = h.shape[0]
         x = rms_norm(h, layer.input_norm, s.rms_norm_eps)
         qkv = project(x, layer.qkv, layer=index, name="qkv")
-        q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
-        q = q.view(t, s.num_heads, s.head_dim)
-        k = k.view(t, s.num_kv_heads, s.head_dim)
-        v = v.view(t, s.num_kv_heads, s.head_dim)
+        v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:  # qwen3
-            q = rms_norm(q, layer.q_norm, s.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, s.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, _ = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
+            q = rms_norm(q.view(t, s.num_heads, s.head_dim), layer.q_norm, s.rms_norm_eps)
+            k = rms_norm(k.view(t, s.num_kv_heads, s.head_dim), layer.k_norm, s.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # q and k sit side by side in qkv's output: rotate both heads in one pass
+            qk = apply_rope(qkv[:, : s.q_size + s.kv_size].view(t, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
+            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
         k_cache, v_cache = kv.k[index], kv.v[index]
         k_cache.index_copy_(1, plan.write_slots, k.transpose(0, 1))
         v_cache.index_copy_(1, plan.write_slots, v.transpose(0, 1))

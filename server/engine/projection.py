@@ -1,7 +1,7 @@
 """The one place where the forward multiplies activations by weights.
 
 Every matmul of the forward goes through a :class:`Projection`: ``project(x, linear, layer=,
-name=)``, with ``x`` [T, in] the step's rows. The base projection is a plain ``F.linear``. A
+name=)``, with ``x`` [T, in] the step's rows. The base projection is the linear itself (``F.linear``, or oneDNN's kernel when packed). A
 per-row adapter (LoRA) plugs in here without touching the model math: built per step from the
 rows' module ids — ``-1`` (base weights) for positions before a request's invocation point,
 the module's index from it on (docs/design.md §2) — it adds its low-rank delta to the rows of each
@@ -16,12 +16,12 @@ module only (:class:`RowDeltaProjection`).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from server.engine.weights import Linear
 
@@ -42,7 +42,7 @@ class BaseProjection:
     """Base weights for every row."""
 
     def __call__(self, x: torch.Tensor, linear: Linear, *, layer: int, name: str) -> torch.Tensor:
-        return F.linear(x, linear.weight, linear.bias)
+        return linear(x)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +55,76 @@ class LowRank:
     col: int = 0
 
 
+class LoraBank:
+    """Every LoRA module's low-rank updates, stacked per set of modules that share a step.
+
+    A step's LoRA rows cost three ops per projection whatever the number of modules in it
+    (S-LoRA / Punica's batched low-rank product, written densely): the step's modules' ``A``
+    matrices stacked ``[R, in]``, each update's ``scale * B`` placed in its output columns of one
+    block matrix ``[out, R]``, and a ``[T, R]`` mask that keeps, for each row, the rank columns
+    of its own module only::
+
+        y = x @ W.T + ((x @ A_cat.T) * mask) @ B_blk.T
+
+    Stacks are built once per set of modules (a team's set recurs step after step) and kept for
+    the last :attr:`max_sets` sets; they grow with the set, which suits teams of a few modules.
+    """
+
+    max_sets = 8
+
+    def __init__(self, deltas: Mapping[tuple[int, int, str], list[LowRank]] | None = None) -> None:
+        self._deltas: dict[tuple[int, int, str], list[LowRank]] = dict(deltas or {})
+        self._sets: OrderedDict[tuple[int, ...], dict[tuple[int, str], _Stack | None]] = OrderedDict()
+
+    def add(self, module: int, layer: int, name: str, updates: list[LowRank]) -> None:
+        self._deltas[(module, layer, name)] = updates
+        self._sets.clear()
+
+    def stack(self, modules: tuple[int, ...], layer: int, name: str) -> _Stack | None:
+        """The stacked updates of ``modules`` (slots in that order) on one projection."""
+        stacks = self._sets.get(modules)
+        if stacks is None:
+            stacks = self._sets[modules] = {}
+            if len(self._sets) > self.max_sets:
+                self._sets.popitem(last=False)
+        else:
+            self._sets.move_to_end(modules)
+        key = (layer, name)
+        if key not in stacks:
+            stacks[key] = self._build(modules, layer, name)
+        return stacks[key]
+
+    def _build(self, modules: tuple[int, ...], layer: int, name: str) -> _Stack | None:
+        parts = [(slot, u) for slot, m in enumerate(modules) for u in self._deltas.get((m, layer, name), [])]
+        if not parts:
+            return None
+        a = torch.cat([u.a for _, u in parts])
+        out = max(u.col + u.b.shape[0] for _, u in parts)
+        b = a.new_zeros(out, a.shape[0])
+        owner, r = [], 0
+        for slot, u in parts:
+            rank = u.a.shape[0]
+            b[u.col : u.col + u.b.shape[0], r : r + rank] = u.b * u.scale
+            owner += [slot] * rank
+            r += rank
+        return _Stack(a, b, tuple(owner))
+
+
 @dataclass(frozen=True, slots=True)
+class _Stack:
+    a: torch.Tensor  # [R, in]
+    b: torch.Tensor  # [out, R], scale folded in; out may be narrower than the projection
+    owner: tuple[int, ...]  # slot of each rank column
+
+
 class RowDeltaProjection:
     """Base projection plus, for rows whose module id is ``m >= 0``, module ``m``'s deltas.
 
     ``row_modules`` [T]: -1 for rows computed with base weights (positions < invocation point),
     otherwise an index into the step's modules. ``deltas[(m, layer, name)]`` lists the low-rank
-    updates of module ``m`` on that projection. Rows are grouped per module: one pair of small
-    matmuls per (module, projection) present in the step, never a forward per adapter.
+    updates of module ``m`` on that projection (or a :class:`LoraBank` holding them). Every
+    module of the step is applied in one batched low-rank product per projection, never a
+    forward per adapter.
 
     >>> import torch
     >>> from server.engine.weights import Linear
@@ -73,18 +135,37 @@ class RowDeltaProjection:
     [[0.0, 0.0], [1.0, 1.0]]
     """
 
-    row_modules: torch.Tensor
-    deltas: Mapping[tuple[int, int, str], list[LowRank]]
+    __slots__ = ("_bank", "_masks", "_modules", "_row_slot")
+
+    def __init__(
+        self, row_modules: torch.Tensor, deltas: Mapping[tuple[int, int, str], list[LowRank]] | LoraBank
+    ) -> None:
+        self._bank = deltas if isinstance(deltas, LoraBank) else LoraBank(deltas)
+        self._modules: tuple[int, ...] = tuple(torch.unique(row_modules[row_modules >= 0]).tolist())
+        slot = torch.full_like(row_modules, -1)
+        for s, m in enumerate(self._modules):
+            slot[row_modules == m] = s
+        self._row_slot = slot
+        self._masks: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def __call__(self, x: torch.Tensor, linear: Linear, *, layer: int, name: str) -> torch.Tensor:
-        y = F.linear(x, linear.weight, linear.bias)
-        for module in torch.unique(self.row_modules[self.row_modules >= 0]).tolist():
-            updates = self.deltas.get((module, layer, name))
-            if not updates:
-                continue
-            rows = (self.row_modules == module).nonzero().squeeze(1)
-            xr = x.index_select(0, rows)
-            for u in updates:
-                delta = F.linear(F.linear(xr, u.a), u.b) * u.scale
-                y[rows, u.col : u.col + u.b.shape[0]] += delta
+        y = linear(x)
+        if not self._modules:
+            return y
+        st = self._bank.stack(self._modules, layer, name)
+        if st is None:
+            return y
+        low = torch.mm(x, st.a.t()).mul_(self._mask(st.owner, x.dtype))
+        out = st.b.shape[0]
+        target = y if out == y.shape[1] else y[:, :out]
+        target.addmm_(low, st.b.t())
         return y
+
+    def _mask(self, owner: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """[T, R]: 1 where rank column ``j`` belongs to the row's own module (one per layout)."""
+        key = (owner, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            cols = torch.tensor(owner, dtype=self._row_slot.dtype, device=self._row_slot.device)
+            mask = self._masks[key] = (self._row_slot[:, None] == cols[None, :]).to(dtype)
+        return mask

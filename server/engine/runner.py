@@ -24,7 +24,7 @@ from server.engine.config import EngineStats
 from server.engine.forward import LlamaForward
 from server.engine.kinds import kind_of
 from server.engine.modules import DecodeModule
-from server.engine.projection import LowRank, Projection, RowDeltaProjection
+from server.engine.projection import LoraBank, LowRank, Projection, RowDeltaProjection
 from server.engine.scheduler import WorkItem
 from server.engine.sequence import Phase, Sequence
 from server.kv.storage import KVStorage
@@ -39,7 +39,7 @@ class ModelRunner:
     ) -> None:
         self.forward, self.kv, self.block_size, self.stats = forward, kv, block_size, stats
         self.module_index: dict[str, int] = {}  # LoRA module -> its row id in a step's deltas
-        self._deltas: dict[tuple[int, int, str], list[LowRank]] = {}
+        self._lora = LoraBank()  # every LoRA module's deltas, stacked per set of modules in a step
         self._own: dict[str, LlamaForward] = {}
         for m in modules.values():
             kind_of(m.kind).attach(self, m)
@@ -50,7 +50,7 @@ class ModelRunner:
         """Register a module's low-rank deltas, applied per row inside the base's call."""
         idx = self.module_index.setdefault(module, len(self.module_index))
         for (layer, proj), updates in deltas.items():
-            self._deltas[(idx, layer, proj)] = updates
+            self._lora.add(idx, layer, proj, updates)
         return idx
 
     def add_forward(self, module: str, weights: Any) -> None:
@@ -93,7 +93,7 @@ class ModelRunner:
             pos = torch.arange(start, start + n)
             rows.append(torch.where(pos >= seq.invocation_point, seq.module_index, -1) if seq.module_index >= 0
                         else torch.full((n,), -1))
-        return RowDeltaProjection(torch.cat(rows), self._deltas)
+        return RowDeltaProjection(torch.cat(rows), self._lora)
 
     def _count_rows(self, items: list[WorkItem], *, base_call: bool) -> None:
         for seq, start, n in items:

@@ -51,3 +51,50 @@ def test_forward_with_module_rows_changes_only_rows_at_or_after_the_switch(tiny_
     base, mixed = run(), run(RowDeltaProjection(rows, deltas))
     torch.testing.assert_close(mixed[:7], base[:7], atol=0, rtol=0)  # causal: earlier rows exact
     assert (mixed[7:] - base[7:]).abs().max() > 1e-2
+
+
+def _module_updates(g: torch.Generator, rank: int, cols: tuple[int, ...]) -> list[LowRank]:
+    return [LowRank(torch.randn(rank, 8, generator=g), torch.randn(4, rank, generator=g), scale=0.5 + c / 8, col=c)
+            for c in cols]
+
+
+def test_several_modules_in_one_step_each_row_gets_its_own_deltas_only() -> None:
+    """Three modules of different ranks and targets, rows interleaved: each row equals the base
+    plus its own module's updates, computed one module at a time."""
+    from server.engine.weights import Linear
+
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(torch.randn(12, 8, generator=g), torch.randn(12, generator=g))
+    deltas = {
+        (0, 0, "qkv"): _module_updates(g, 2, (0, 4)),
+        (1, 0, "qkv"): _module_updates(g, 4, (8,)),
+        (2, 0, "qkv"): _module_updates(g, 3, (4,)),
+        (2, 1, "qkv"): _module_updates(g, 3, (0,)),  # only module 2 on layer 1
+    }
+    rows = torch.tensor([2, -1, 0, 1, 2, 0, -1, 1])
+    x = torch.randn(len(rows), 8, generator=g)
+    proj = RowDeltaProjection(rows, deltas)
+    for layer in (0, 1, 2):
+        want = x @ lin.weight.T + lin.bias
+        for i, m in enumerate(rows.tolist()):
+            for u in deltas.get((m, layer, "qkv"), []) if m >= 0 else []:
+                want[i, u.col : u.col + 4] += u.scale * (x[i] @ u.a.T @ u.b.T)
+        torch.testing.assert_close(proj(x, lin, layer=layer, name="qkv"), want)
+
+
+def test_lora_bank_keeps_a_bounded_number_of_module_sets() -> None:
+    from server.engine.projection import LoraBank
+    from server.engine.weights import Linear
+
+    g = torch.Generator().manual_seed(4)
+    bank = LoraBank()
+    for m in range(LoraBank.max_sets + 3):
+        bank.add(m, 0, "o", _module_updates(g, 2, (0,)))
+    lin = Linear(torch.zeros(4, 8))
+    x = torch.ones(1, 8)
+    outs = {}
+    for m in range(LoraBank.max_sets + 3):  # one set per step, more sets than are kept
+        outs[m] = RowDeltaProjection(torch.tensor([m]), bank)(x, lin, layer=0, name="o")
+    assert len(bank._sets) == LoraBank.max_sets
+    for m, out in outs.items():  # a set rebuilt after eviction gives the same rows
+        torch.testing.assert_close(RowDeltaProjection(torch.tensor([m]), bank)(x, lin, layer=0, name="o"), out)
