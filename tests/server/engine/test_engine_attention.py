@@ -47,8 +47,10 @@ def test_a_fully_masked_partial_contributes_nothing() -> None:
     q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
     real = reference_partial(q, k, v)
     empty = Partial(torch.zeros_like(real.out), torch.full_like(real.lse, float("-inf")))
-    out, _ = merge_partials([empty, real])
-    torch.testing.assert_close(out, real.out)
+    for parts in ([empty, real], [real, empty], [empty, empty, real]):  # the two-part form and the general one
+        out, lse = merge_partials(parts)
+        torch.testing.assert_close(out, real.out)
+        torch.testing.assert_close(lse, real.lse)
 
 
 @pytest.mark.parametrize("causal", [False, True])
