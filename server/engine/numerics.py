@@ -11,6 +11,8 @@ True
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -47,11 +49,55 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def set_threads(threads: int | None) -> int:
-    """Give this process its share of cores. Several torch processes on one box must each be
-    told, or they oversubscribe the cores and every timing lies."""
+def physical_cores(cpus: set[int] | None = None) -> int:
+    """Physical cores among the CPUs this process may run on (hyper-threads count once).
+
+    Reads the affinity mask and Linux's ``thread_siblings_list``; where those are missing, the
+    logical CPUs count.
+
+    >>> physical_cores() >= 1
+    True
+    """
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores: set[str] = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(f"cpu{cpu}")
+    return max(1, len(cores))
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadChoice:
+    threads: int
+    source: str  # "option", "OMP_NUM_THREADS" or "physical cores"
+    physical_cores: int
+
+
+def choose_threads(threads: int | None) -> ThreadChoice:
+    """The thread budget of an engine process: the ``--threads`` option, else ``OMP_NUM_THREADS``
+    (a launcher that shares the cores among processes sets it), else the physical cores this
+    process may use (hyper-threads slow a memory-bound decode down).
+
+    >>> choose_threads(3).threads, choose_threads(3).source
+    (3, 'option')
+    """
+    cores = physical_cores()
     if threads is not None:
         if threads <= 0:
             raise ValueError("threads must be positive")
-        torch.set_num_threads(threads)
+        return ThreadChoice(threads, "option", cores)
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return ThreadChoice(int(env), "OMP_NUM_THREADS", cores)
+    return ThreadChoice(cores, "physical cores", cores)
+
+
+def set_threads(threads: int | None) -> int:
+    """Give this process its share of cores (:func:`choose_threads`). Several torch processes on
+    one box must each be told, or they oversubscribe the cores and every timing lies."""
+    choice = choose_threads(threads)
+    torch.set_num_threads(choice.threads)
     return torch.get_num_threads()

@@ -44,4 +44,7 @@ def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_pa
         _, err = proc.communicate(timeout=30)
     records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert any(r.get("event") == "request" and r.get("endpoint") == "/v1/chat/completions" for r in records), err
+    engine = next(r for r in records if r.get("event") == "engine")  # what the server chose, logged at start
+    assert (engine["threads"], engine["threads_from"]) == (1, "option")
+    assert engine["physical_cores"] >= 1 and engine["dtype"] == "torch.float32" and engine["packed_linears"] is False
     assert not any("hello there" in line for line in err.splitlines())

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from server.engine.batch import Chunk, plan_step
 from server.engine.forward import LlamaForward
 from server.engine.rope import Rope, UnsupportedRopeError
-from server.engine.weights import ModelShape, UnsupportedModelError
+from server.engine.weights import ModelShape, UnsupportedModelError, can_pack
 from server.kv.storage import KVStorage
 
 LLAMA3_ROPE = {
@@ -96,3 +96,28 @@ def test_sliding_window_caps_the_context() -> None:
 
     shape = ModelShape.from_config(MistralConfig(sliding_window=512, max_position_embeddings=4096))
     assert shape.max_context == 512
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN packing needs a CPU with native bf16")
+@pytest.mark.parametrize("variant", ["llama", "llama-untied-bias-llama3rope"])
+def test_bf16_packed_linears_compute_what_plain_linears_compute(
+    variant: str, make_tiny_model: Callable[..., Path], smollm2_tokenizer
+) -> None:
+    """Packing (bf16 on a CPU with native bf16) changes the kernel, not the model: the same
+    logits as ``F.linear`` within bf16 rounding, and the plain weights are released."""
+    path = make_tiny_model(variant, **VARIANTS[variant])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    packed = LlamaForward.from_hf(model, dtype=torch.bfloat16)
+    plain = LlamaForward.from_hf(model, dtype=torch.bfloat16, pack=False)
+    assert packed.weights.layers[0].qkv.packed is not None and plain.weights.layers[0].qkv.packed is None
+    assert packed.weights.layers[0].gate_up.weight.device.type == "meta"
+    ids = _prompt(smollm2_tokenizer)
+
+    def logits(fwd: LlamaForward) -> torch.Tensor:
+        kv = KVStorage(fwd.kv_spec(), num_blocks=ids.numel() // 16 + 1, block_size=16)
+        plan = plan_step([Chunk(ids, start=0, slots=torch.arange(ids.numel()))], block_size=16, all_logits=True)
+        return fwd(plan, kv).float()
+
+    a, b = logits(packed), logits(plain)
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
