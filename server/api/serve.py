@@ -35,23 +35,30 @@ def serve(config: ServerConfig) -> None:
     from server.api.logs import configure_logging
     from server.engine.async_engine import AsyncEngine
     from server.engine.build import load_engine
+    from server.engine.core import EngineCore
     from server.engine.numerics import choose_threads
     from server.models.loader import default_model_dir
 
     configure_logging(config.log_level)
     tracing.configure("agentshare")
-    model_dir = config.model_dir or default_model_dir()
-    log.info("loading", extra={"event": "load", "model_dir": str(model_dir), "modules": ",".join(config.modules)})
     threads = choose_threads(config.threads)
-    core = load_engine(model_dir, modules=config.modules, dtype=config.dtype, threads=threads.threads,
-                       config=config.engine_config(), base_name=config.base_name)
-    log.info("engine", extra={"event": "engine", "threads": torch.get_num_threads(), "threads_from": threads.source,
-                              "physical_cores": threads.physical_cores, "dtype": str(core.forward.weights.dtype),
-                              "packed_linears": core.forward.weights.layers[0].qkv.packed is not None})
+
+    def build() -> EngineCore:  # on the engine thread: every torch op of the engine on one thread
+        model_dir = config.model_dir or default_model_dir()
+        log.info("loading", extra={"event": "load", "model_dir": str(model_dir), "modules": ",".join(config.modules)})
+        core = load_engine(model_dir, modules=config.modules, dtype=config.dtype, threads=threads.threads,
+                           config=config.engine_config(), base_name=config.base_name)
+        log.info("engine", extra={"event": "engine", "threads": torch.get_num_threads(), "threads_from": threads.source,
+                                  "physical_cores": threads.physical_cores, "dtype": str(core.forward.weights.dtype),
+                                  "packed_linears": core.forward.weights.layers[0].qkv.packed is not None})
+        return core
+
+    engine = AsyncEngine.load(build)
+    core = engine.core
     for name, m in core.modules.items():
         log.info("agent", extra={"event": "agent", "agent": name, "kind": str(m.kind),
                                  "shares_prefill": m.shares_prefill, "reason": m.reason})
-    app = create_app(AsyncEngine(core), config, owns_engine=True)
+    app = create_app(engine, config, owns_engine=True)
     uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
                 log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
 

@@ -218,13 +218,13 @@ def serve_worker(
     tracing.configure(f"agentshare-{role}")  # AGENTSHARE_OTEL / AGENTSHARE_TRACE_FILE, inherited from a launcher
     if cpus:
         os.sched_setaffinity(0, set(cpus))
-    model_dir = config.model_dir or default_model_dir()
     modules = config.modules if role == "decode" else {}
     if role == "prefill" and config.modules:
         raise ValueError("a prefill worker runs the base model only; give --module to decode workers")
-    core = load_engine(model_dir, modules=modules, dtype=config.dtype, threads=config.threads,
-                       config=config.engine_config(), base_name=config.base_name)
-    engine = AsyncEngine(core)
+    engine = AsyncEngine.load(lambda: load_engine(  # on the engine thread (AsyncEngine.load says why)
+        config.model_dir or default_model_dir(), modules=modules, dtype=config.dtype, threads=config.threads,
+        config=config.engine_config(), base_name=config.base_name))
+    core = engine.core
     url = advertise or f"http://{config.host}:{config.port}"
     worker = Worker(engine, role=role, url=url, threads=config.threads or 1, secret=secret, kv_host=config.host,
                     kv_port=kv_port,

@@ -85,3 +85,37 @@ def test_closed_engine_refuses_new_work(async_engine, smollm2_tokenizer):
 
     with pytest.raises(EngineClosed):
         asyncio.run(main())
+
+
+def test_load_builds_the_core_on_the_engine_thread_and_serves_it_there(tiny_model_dir, smollm2_tokenizer):
+    """Loading and stepping share one native thread (one OpenMP team: AsyncEngine.load says
+    why); a build that fails raises in the caller."""
+    import threading
+
+    threads = {}
+
+    def build():
+        threads["build"] = threading.current_thread().name
+        return load_engine(tiny_model_dir, dtype="float32", config=EngineConfig(kv_cache_bytes=16 << 20))
+
+    engine = AsyncEngine.load(build)
+    try:
+        assert threads["build"] == "agentshare-engine" != threading.current_thread().name
+        assert asyncio.run(async_engine_step_thread(engine)) == "agentshare-engine"
+        events = asyncio.run(collect(engine, "r", prompt(smollm2_tokenizer),
+                                     SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
+        assert events[-1].usage.completion_tokens == 3
+    finally:
+        engine.close()
+
+    def broken():
+        raise FileNotFoundError("no model here")
+
+    with pytest.raises(FileNotFoundError, match="no model here"):
+        AsyncEngine.load(broken)
+
+
+async def async_engine_step_thread(engine):
+    import threading
+
+    return await engine.run(lambda core: threading.current_thread().name)
