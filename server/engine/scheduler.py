@@ -11,7 +11,7 @@ It owns the queues and the KV reservations; it never runs the model::
        └── re-plan: a block it waited for was abandoned; start over from a fresh match
 
 Per step: one token for every decoding request first, then prefill chunks in arrival order
-within ``max_step_tokens`` (chunked prefill). A module whose rows run in their own forward
+within ``max_step_tokens`` (chunked prefill; ``max_prefill_step_tokens`` when nothing decodes). A module whose rows run in their own forward
 (a full fine-tune) has its chunk cut at the invocation point, so base rows and module rows never
 share a chunk. No request is preempted: admission reserves all it will need.
 """
@@ -160,6 +160,8 @@ class Scheduler:
             if seq.phase is Phase.DECODE:
                 work.append((seq, len(seq.tokens) - 1, 1))
                 budget -= 1
+        if not work:  # nothing decodes: a bigger chunk stalls nobody
+            budget = max(budget, self.config.max_prefill_step_tokens)
         for seq in self.running:
             if seq.phase is not Phase.PREFILL or seq.pending or budget <= 0:
                 continue

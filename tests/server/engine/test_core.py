@@ -312,3 +312,25 @@ def test_a_request_queued_behind_a_full_pool_reports_its_wait_in_its_timeline(ti
         assert (t.computed_tokens, t.reused_tokens) == (len(prompt.token_ids) - ev.usage.cached_tokens,
                                                          ev.usage.cached_tokens)
         assert (t.route, t.prefill, t.imported_tokens, t.transfer_bytes) == ("colocated", "local", 0, 0)
+
+
+def test_a_prefill_is_chunked_while_others_decode_and_runs_whole_when_none_do(tiny_model_dir, smollm2_tokenizer):
+    """``max_step_tokens`` bounds a step while requests decode; with nothing decoding the step
+    may take ``max_prefill_step_tokens`` (a bigger chunk stalls nobody)."""
+    core, _ = engine(tiny_model_dir, max_step_tokens=16, max_prefill_step_tokens=4096)
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Go."))
+    assert len(prompt.token_ids) > 64
+    core.add_request("a", "base", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    core.step()
+    assert core.stats.prefill_tokens == len(prompt.token_ids)  # alone: one step
+    other = chat_prompt(smollm2_tokenizer, [{"role": "user", "content": "Other: " + "a b c d. " * 30}], turn("Go."))
+    core.add_request("b", "base", other, SamplingParams(temperature=0, max_tokens=2))
+    before = core.stats.prefill_tokens
+    core.step()
+    assert core.stats.prefill_tokens - before == 15  # beside a decode: 16 tokens in all
+    core, _ = engine(tiny_model_dir, max_step_tokens=16, max_prefill_step_tokens=8)  # never below max_step_tokens
+    core.add_request("c", "base", prompt, SamplingParams(temperature=0, max_tokens=2))
+    core.step()
+    assert core.stats.prefill_tokens == 16
+    with pytest.raises(ValueError, match="max_prefill_step_tokens"):
+        EngineConfig(max_prefill_step_tokens=0)
