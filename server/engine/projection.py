@@ -107,7 +107,7 @@ class LoraBank:
             b[u.col : u.col + u.b.shape[0], r : r + rank] = u.b * u.scale
             owner += [slot] * rank
             r += rank
-        return _Stack(a, b, tuple(owner))
+        return _Stack(a, b, tuple(owner), a.float(), b.t().float().contiguous())
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +115,14 @@ class _Stack:
     a: torch.Tensor  # [R, in]
     b: torch.Tensor  # [out, R], scale folded in; out may be narrower than the projection
     owner: tuple[int, ...]  # slot of each rank column
+    a32: torch.Tensor  # the same in fp32, for a few rows (decode): see RowDeltaProjection
+    b32t: torch.Tensor  # [R, out]
+
+
+_FEW_ROWS = 64
+"""Up to this many rows (a decode step) the low-rank product runs in fp32 on fp32 copies of the
+stacks: for 3 rows at rank 72 it took 21 µs a projection against 56 µs in bf16, whose kernel's
+set-up dominates at that size; bf16 wins on prefill-sized row counts."""
 
 
 class RowDeltaProjection:
@@ -155,10 +163,14 @@ class RowDeltaProjection:
         st = self._bank.stack(self._modules, layer, name)
         if st is None:
             return y
-        low = torch.mm(x, st.a.t()).mul_(self._mask(st.owner, x.dtype))
         out = st.b.shape[0]
         target = y if out == y.shape[1] else y[:, :out]
-        target.addmm_(low, st.b.t())
+        if x.shape[0] <= _FEW_ROWS and x.dtype != torch.float32:
+            low = torch.mm(x.float(), st.a32.t()).mul_(self._mask(st.owner, torch.float32))
+            target.add_(torch.mm(low, st.b32t))
+        else:
+            low = torch.mm(x, st.a.t()).mul_(self._mask(st.owner, x.dtype))
+            target.addmm_(low, st.b.t())
         return y
 
     def _mask(self, owner: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

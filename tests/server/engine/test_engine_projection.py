@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -98,3 +99,23 @@ def test_lora_bank_keeps_a_bounded_number_of_module_sets() -> None:
     assert len(bank._sets) == LoraBank.max_sets
     for m, out in outs.items():  # a set rebuilt after eviction gives the same rows
         torch.testing.assert_close(RowDeltaProjection(torch.tensor([m]), bank)(x, lin, layer=0, name="o"), out)
+
+
+@pytest.mark.parametrize("rows", [3, 200])  # a decode step (fp32 low-rank product) and a prefill (bf16)
+def test_bf16_rows_get_their_modules_deltas_on_both_paths(rows: int) -> None:
+    from server.engine.weights import Linear
+
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(torch.randn(12, 8, generator=g))
+    deltas = {(m, 0, "qkv"): _module_updates(g, 4, (0, 8)) for m in range(3)}
+    modules = torch.randint(-1, 3, (rows,), generator=g)
+    x = torch.randn(rows, 8, generator=g)
+    got = RowDeltaProjection(modules, {k: [LowRank(u.a.bfloat16(), u.b.bfloat16(), u.scale, u.col) for u in v]
+                                       for k, v in deltas.items()})(x.bfloat16(), Linear(lin.weight.bfloat16()),
+                                                                     layer=0, name="qkv")
+    want = x.double() @ lin.weight.double().T
+    for i, m in enumerate(modules.tolist()):
+        for u in deltas.get((m, 0, "qkv"), []) if m >= 0 else []:
+            want[i, u.col : u.col + 4] += u.scale * (x[i].double() @ u.a.double().T @ u.b.double().T)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, atol=0.1, rtol=0.02)
