@@ -38,10 +38,12 @@ def serve(config: ServerConfig) -> None:
     from server.engine.core import EngineCore
     from server.engine.numerics import choose_threads
     from server.models.loader import default_model_dir
+    from server.process import keep_freed_memory
 
     configure_logging(config.log_level)
     tracing.configure("agentshare")
     threads = choose_threads(config.threads)
+    kept = keep_freed_memory()  # before the engine allocates (server/process.py says why)
 
     def build() -> EngineCore:  # on the engine thread: every torch op of the engine on one thread
         model_dir = config.model_dir or default_model_dir()
@@ -50,7 +52,8 @@ def serve(config: ServerConfig) -> None:
                            config=config.engine_config(), base_name=config.base_name)
         log.info("engine", extra={"event": "engine", "threads": torch.get_num_threads(), "threads_from": threads.source,
                                   "physical_cores": threads.physical_cores, "dtype": str(core.forward.weights.dtype),
-                                  "packed_linears": core.forward.weights.layers[0].qkv.packed is not None})
+                                  "packed_linears": core.forward.weights.layers[0].qkv.packed is not None,
+                                  "malloc_keeps_freed": kept})
         return core
 
     engine = AsyncEngine.load(build)

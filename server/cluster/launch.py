@@ -37,7 +37,7 @@ from server.api.config import ServerConfig
 from server.cluster.auth import ClusterSecret
 from server.cluster.messages import Role
 from server.cluster.router import RouterConfig
-from server.process import die_with_parent, free_port
+from server.process import die_with_parent, free_port, keep_freed_memory
 
 log = logging.getLogger("agentshare.cluster")
 
@@ -218,6 +218,7 @@ def serve_worker(
     tracing.configure(f"agentshare-{role}")  # AGENTSHARE_OTEL / AGENTSHARE_TRACE_FILE, inherited from a launcher
     if cpus:
         os.sched_setaffinity(0, set(cpus))
+    keep_freed_memory()  # before the engine allocates (server/process.py says why)
     modules = config.modules if role == "decode" else {}
     if role == "prefill" and config.modules:
         raise ValueError("a prefill worker runs the base model only; give --module to decode workers")

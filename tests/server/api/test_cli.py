@@ -47,4 +47,5 @@ def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_pa
     engine = next(r for r in records if r.get("event") == "engine")  # what the server chose, logged at start
     assert (engine["threads"], engine["threads_from"]) == (1, "option")
     assert engine["physical_cores"] >= 1 and engine["dtype"] == "torch.float32" and engine["packed_linears"] is False
+    assert engine["malloc_keeps_freed"] is sys.platform.startswith("linux")
     assert not any("hello there" in line for line in err.splitlines())
