@@ -90,7 +90,7 @@ def serve(
                                       help="base model directory (default: SmolLM2-135M-Instruct)"),
     module: list[str] | None = typer.Option(None, help="agent as NAME=PATH to a decode module (repeat)"),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16"),
-    threads: int | None = typer.Option(None, help="torch threads (default: torch's choice)"),
+    threads: int | None = typer.Option(None, help="torch threads (default: OMP_NUM_THREADS, else the physical cores this process may use; logged at start)"),
     kv_cache: str = typer.Option("1GiB", help="KV pool size, e.g. 512MiB, 2GiB"),
     max_running: int = typer.Option(64, help="requests decoding together"),
     queue_limit: int = typer.Option(1024, help="requests waiting; beyond it: 429"),
