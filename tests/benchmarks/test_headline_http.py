@@ -1,0 +1,31 @@
+"""benchmarks/headline_http.py end to end on the default model (slow): it launches the real
+server, runs every agentshare arm over HTTP and records what each request read from cache."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_quick_headline_runs_every_arm_and_sharing_shows_in_the_cached_tokens(tmp_path: Path) -> None:
+    out = tmp_path / "headline.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "headline_http.py"), "--quick", "--skip-vllm",
+                    "--json", str(out)], cwd=ROOT, check=True, timeout=840)
+    result = json.loads(out.read_text())
+    assert result["versions"]["vllm_skipped"]
+    ours = result["servers"]["agentshare"]
+    context = result["config"]["context"]
+    for arm in ("base", "lora_shared", "lora_private"):
+        (run,) = ours["headline"][arm]
+        assert run["completion_tokens"] == [64, 64, 64] and run["wall_s"] > 0
+        cached = sorted(run["cached_tokens"])
+        # one request prefills the context and two read it, unless each agent is its own tenant
+        assert cached == ([0, 0, 0] if arm == "lora_private" else [0, context, context]), (arm, cached)
+    assert all(v["tok_s"] > 0 for v in ours["prefill"].values())
+    assert set(ours["decode"]) == {"1", "4"}
