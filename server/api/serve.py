@@ -27,36 +27,17 @@ log = logging.getLogger("agentshare.api")
 
 def serve(config: ServerConfig) -> None:
     """Serve until interrupted (blocks)."""
-    import torch
     import uvicorn
 
     from server import tracing
     from server.api.app import create_app
     from server.api.logs import configure_logging
-    from server.engine.async_engine import AsyncEngine
-    from server.engine.build import load_engine
-    from server.engine.core import EngineCore
-    from server.engine.numerics import choose_threads
-    from server.models.loader import default_model_dir
-    from server.process import keep_freed_memory
+    from server.engine.build import start_engine
 
     configure_logging(config.log_level)
     tracing.configure("agentshare")
-    threads = choose_threads(config.threads)
-    kept = keep_freed_memory()  # before the engine allocates (server/process.py says why)
-
-    def build() -> EngineCore:  # on the engine thread: every torch op of the engine on one thread
-        model_dir = config.model_dir or default_model_dir()
-        log.info("loading", extra={"event": "load", "model_dir": str(model_dir), "modules": ",".join(config.modules)})
-        core = load_engine(model_dir, modules=config.modules, dtype=config.dtype, threads=threads.threads,
-                           config=config.engine_config(), base_name=config.base_name)
-        log.info("engine", extra={"event": "engine", "threads": torch.get_num_threads(), "threads_from": threads.source,
-                                  "physical_cores": threads.physical_cores, "dtype": str(core.forward.weights.dtype),
-                                  "packed_linears": core.forward.weights.layers[0].qkv.packed is not None,
-                                  "malloc_keeps_freed": kept})
-        return core
-
-    engine = AsyncEngine.load(build)
+    engine = start_engine(config.model_dir, modules=config.modules, dtype=config.dtype, threads=config.threads,
+                          config=config.engine_config(), base_name=config.base_name)
     core = engine.core
     for name, m in core.modules.items():
         log.info("agent", extra={"event": "agent", "agent": name, "kind": str(m.kind),

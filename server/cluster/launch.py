@@ -37,7 +37,7 @@ from server.api.config import ServerConfig
 from server.cluster.auth import ClusterSecret
 from server.cluster.messages import Role
 from server.cluster.router import RouterConfig
-from server.process import die_with_parent, free_port, keep_freed_memory
+from server.process import die_with_parent, free_port
 
 log = logging.getLogger("agentshare.cluster")
 
@@ -210,21 +210,17 @@ def serve_worker(
     from server.api.app import create_app
     from server.api.logs import configure_logging
     from server.cluster.worker import FaultPlan, Worker
-    from server.engine.async_engine import AsyncEngine
-    from server.engine.build import load_engine
-    from server.models.loader import default_model_dir
+    from server.engine.build import start_engine
 
     configure_logging(config.log_level)
     tracing.configure(f"agentshare-{role}")  # AGENTSHARE_OTEL / AGENTSHARE_TRACE_FILE, inherited from a launcher
     if cpus:
         os.sched_setaffinity(0, set(cpus))
-    keep_freed_memory()  # before the engine allocates (server/process.py says why)
     modules = config.modules if role == "decode" else {}
     if role == "prefill" and config.modules:
         raise ValueError("a prefill worker runs the base model only; give --module to decode workers")
-    engine = AsyncEngine.load(lambda: load_engine(  # on the engine thread (AsyncEngine.load says why)
-        config.model_dir or default_model_dir(), modules=modules, dtype=config.dtype, threads=config.threads,
-        config=config.engine_config(), base_name=config.base_name))
+    engine = start_engine(config.model_dir, modules=modules, dtype=config.dtype, threads=config.threads,
+                          config=config.engine_config(), base_name=config.base_name)
     core = engine.core
     url = advertise or f"http://{config.host}:{config.port}"
     worker = Worker(engine, role=role, url=url, threads=config.threads or 1, secret=secret, kv_host=config.host,

@@ -142,13 +142,14 @@ class AsyncEngine:
         self._counts = (0, 0)  # waiting, running after the last iteration
         self.stalls = 0
         self._stop = threading.Event()
-        built: concurrent.futures.Future[EngineCore] = concurrent.futures.Future()
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
         if isinstance(core, EngineCore):
-            built.set_result(core)
+            self.core = core
+            built.set_result(None)
         self._thread = threading.Thread(target=self._run_thread, args=(core, built), name="agentshare-engine",
                                         daemon=True)
         self._thread.start()
-        self.core = built.result()  # a build that failed raises here, in the caller's thread
+        built.result()  # a build that failed raises here, in the caller's thread
         self.step_timeout = step_timeout if step_timeout is not None else self.core.config.step_timeout
         self._watchdog = threading.Thread(target=self._watch, name="agentshare-watchdog", daemon=True)
         self._watchdog.start()
@@ -274,15 +275,15 @@ class AsyncEngine:
 
     # ---- engine thread ---------------------------------------------------------------------
 
-    def _run_thread(self, core: EngineCore | Callable[[], EngineCore], built: concurrent.futures.Future[EngineCore]) -> None:
-        if not built.done():
+    def _run_thread(self, core: EngineCore | Callable[[], EngineCore], built: concurrent.futures.Future[None]) -> None:
+        if not built.done():  # build the core here (AsyncEngine.load says why), then serve it
             assert callable(core)
             try:
-                built.set_result(core())
+                self.core = core()
             except BaseException as exc:  # the caller raises it; this thread has nothing to serve
                 built.set_exception(exc)
                 return
-        self.core = built.result()
+            built.set_result(None)
         try:
             self._loop()
         except BaseException as exc:  # a bug in the loop itself: say so, fail what it held

@@ -108,8 +108,8 @@ def merge_partials(parts: list[Partial]) -> tuple[torch.Tensor, torch.Tensor]:
     if len(parts) == 2:  # the cascade's common case, in closed form: b + sigmoid(l_a - l_b) (a - b)
         a, b = parts
         weight = torch.sigmoid(a.lse - b.lse)
-        out2 = torch.lerp(b.out.float(), a.out.float(), weight[..., None])
-        return out2.to(a.out.dtype), torch.logaddexp(a.lse, b.lse)
+        merged = torch.lerp(b.out.float(), a.out.float(), weight[..., None])
+        return merged.to(a.out.dtype), torch.logaddexp(a.lse, b.lse)
     lse = torch.stack([p.lse for p in parts]).logsumexp(dim=0)
     out = torch.zeros(parts[0].out.shape, dtype=torch.float32, device=parts[0].out.device)
     for p in parts:

@@ -1,4 +1,5 @@
-"""Build an engine from a model directory and a set of decode modules.
+"""Build an engine from a model directory and a set of decode modules; start one for a serving
+process (:func:`start_engine`: the colocated server and every cluster worker).
 
 >>> core = load_engine(model_dir, modules={"coder": coder_dir}, dtype="float32")
 >>> {name: (m.kind, m.shares_prefill) for name, m in core.modules.items()}
@@ -7,19 +8,24 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
 import torch
 
+from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineConfig, EngineCore
 from server.engine.detokenize import Decoder
 from server.engine.forward import LlamaForward
 from server.engine.modules import base_module, load_module
-from server.engine.numerics import dtype_name, resolve_dtype, set_threads
+from server.engine.numerics import choose_threads, dtype_name, resolve_dtype, set_threads
 from server.kv.family import family_digest
-from server.models.loader import load_model
+from server.models.loader import default_model_dir, load_model
+from server.process import keep_freed_memory
+
+log = logging.getLogger("agentshare.engine")
 
 
 def load_engine(
@@ -51,3 +57,34 @@ def load_engine(
     gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
     eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     return EngineCore(forward, tok, family=family, modules=table, eos_token_ids=tuple(sorted(eos)), config=config)
+
+
+def start_engine(
+    model_dir: Path | None,
+    *,
+    modules: Mapping[str, Path] | None = None,
+    dtype: str | torch.dtype = "auto",
+    threads: int | None = None,
+    config: EngineConfig = EngineConfig(),
+    base_name: str = "base",
+) -> AsyncEngine:
+    """The engine of a serving process, on its own thread: the thread budget chosen
+    (:func:`~server.engine.numerics.choose_threads`), glibc told to keep freed memory
+    (:func:`~server.process.keep_freed_memory`, before anything large is allocated), the core
+    loaded on the engine thread (:meth:`AsyncEngine.load`), and the choices logged (event
+    ``engine``). ``model_dir`` None: the default model."""
+    choice = choose_threads(threads)
+    kept = keep_freed_memory()
+
+    def build() -> EngineCore:
+        path = model_dir or default_model_dir()
+        log.info("loading", extra={"event": "load", "model_dir": str(path), "modules": ",".join(modules or {})})
+        core = load_engine(path, modules=modules, dtype=dtype, threads=choice.threads, config=config,
+                           base_name=base_name)
+        log.info("engine", extra={"event": "engine", "threads": torch.get_num_threads(), "threads_from": choice.source,
+                                  "physical_cores": choice.physical_cores, "dtype": str(core.forward.weights.dtype),
+                                  "packed_linears": core.forward.weights.layers[0].qkv.packed is not None,
+                                  "malloc_keeps_freed": kept})
+        return core
+
+    return AsyncEngine.load(build)

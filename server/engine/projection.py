@@ -1,8 +1,8 @@
 """The one place where the forward multiplies activations by weights.
 
 Every matmul of the forward goes through a :class:`Projection`: ``project(x, linear, layer=,
-name=)``, with ``x`` [T, in] the step's rows. The base projection is the linear itself (``F.linear``, or oneDNN's kernel when packed). A
-per-row adapter (LoRA) plugs in here without touching the model math: built per step from the
+name=)``, with ``x`` [T, in] the step's rows. The base projection is the linear itself
+(``F.linear``, or oneDNN's kernel when packed). A per-row adapter (LoRA) plugs in here without touching the model math: built per step from the
 rows' module ids — ``-1`` (base weights) for positions before a request's invocation point,
 the module's index from it on (docs/design.md §2) — it adds its low-rank delta to the rows of each
 module only (:class:`RowDeltaProjection`).

@@ -11,9 +11,9 @@ It owns the queues and the KV reservations; it never runs the model::
        └── re-plan: a block it waited for was abandoned; start over from a fresh match
 
 Per step: one token for every decoding request first, then prefill chunks in arrival order
-within ``max_step_tokens`` (chunked prefill; ``max_prefill_step_tokens`` when nothing decodes). A module whose rows run in their own forward
-(a full fine-tune) has its chunk cut at the invocation point, so base rows and module rows never
-share a chunk. No request is preempted: admission reserves all it will need.
+within ``max_step_tokens`` (chunked prefill; ``max_prefill_step_tokens`` when nothing decodes).
+A module whose rows run in their own forward (a full fine-tune) has its chunk cut at the
+invocation point, so base rows and module rows never share a chunk. No request is preempted: admission reserves all it will need.
 """
 
 from __future__ import annotations
