@@ -119,3 +119,23 @@ def test_bf16_rows_get_their_modules_deltas_on_both_paths(rows: int) -> None:
             want[i, u.col : u.col + 4] += u.scale * (x[i].double() @ u.a.double().T @ u.b.double().T)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, atol=0.1, rtol=0.02)
+
+
+def test_a_module_set_is_stacked_once_and_the_least_recently_used_set_goes_first() -> None:
+    """A team's set recurs step after step: its stacks and row masks are built once; when more
+    sets than :attr:`LoraBank.max_sets` come, the one unused for longest is dropped."""
+    from server.engine.projection import LoraBank
+
+    g = torch.Generator().manual_seed(6)
+    bank = LoraBank()
+    for m in range(LoraBank.max_sets + 1):
+        bank.add(m, 0, "o", _module_updates(g, 2, (0,)))
+    first = bank.stack((0,), 0, "o")
+    assert first is not None and bank.stack((0,), 0, "o") is first  # built once
+    for m in range(1, LoraBank.max_sets):
+        bank.stack((m,), 0, "o")
+    bank.stack((0,), 0, "o")  # set (0,) used again: now the most recent
+    bank.stack((LoraBank.max_sets,), 0, "o")  # one set too many: (1,) goes, (0,) stays
+    assert (0,) in bank._sets and (1,) not in bank._sets and bank.stack((0,), 0, "o") is first
+    proj = RowDeltaProjection(torch.tensor([0, -1]), bank)
+    assert proj._mask(first.owner, torch.float32) is proj._mask(first.owner, torch.float32)  # once per step
