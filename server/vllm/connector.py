@@ -1,0 +1,300 @@
+"""agentshare's KV connector for vLLM: one base prefill, loaded by every decode module of the family.
+
+vLLM keys its prefix cache by LoRA adapter (and serves one model per instance), so N agents of
+one base pay N prefills of their common context. This connector (vLLM's ``KVConnectorBase_V1``,
+loaded through ``kv_transfer_config.kv_connector_module_path``) moves the base's prefix KV to the
+instances that serve the modules::
+
+    frontend ── POST /v1/completions tokens[:IP], kv_transfer_params {op: save, n: IP, salt} ──▶ base
+                                        base instance: computes [0, IP), saves its blocks ──▶ store
+    frontend ── POST /v1/completions tokens, model=<module>, {op: load, n: IP, salt} ──▶ decode
+        decode instance: get_num_new_matched_tokens reports [local hit, IP) as external cached
+        tokens; start_load_kv copies them into the paged cache; the module computes from IP on
+
+The rules are the torch engine's (docs/design.md §2): positions before the invocation point
+(IP) hold the base's KV, positions from it on the module's; blocks are keyed by
+:mod:`server.kv.keys` (family digest, tenant salt, token chain) in :class:`~server.vllm.store.KVStore`.
+The connector refuses a module whose manifest does not name the family (it reports no external
+tokens: a private prefill), and a salt is part of every key, so tenants never share blocks.
+
+vLLM accepts a match that is not block-aligned (its scheduler takes ``num_computed + external``
+as is), so the load ends exactly at the IP: no boundary rule beyond the torch engine's. The
+store's blocks are ``block_size`` tokens (16) plus the prefix's partial tail; vLLM's block size
+must be a multiple of it.
+
+The KV layout is read from what vLLM hands a connector, never assumed: per-layer views
+``[blocks, kv heads, tokens per kernel block, channels]`` (vLLM's standardised view), whose
+kernel block may be smaller than the scheduler's block (then a scheduler block spans several
+kernel blocks). The bytes of one token's channels are copied as they are, so the store's
+``format`` digest covers the backend's layout name, dtype and shapes.
+
+Configuration (``kv_connector_extra_config``), written by :mod:`server.vllm.launch`:
+``store`` (directory), ``capacity_bytes``, ``family`` (the base's digest), ``block_size``,
+``served`` (the instance's served model name), ``modules`` (name → the family its manifest
+names, or null).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from server.kv.keys import ROOT_KEY, Layout, Namespace, chain_key
+from server.vllm.store import KVStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("agentshare.vllm.connector")
+
+PARAMS_KEY = "agentshare"
+"""The key of agentshare's entry in a request's ``kv_transfer_params``."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBlock:
+    """One store entry of a prefix: its key, its parent's key, and positions ``[start, end)``."""
+
+    key: bytes
+    parent: bytes
+    start: int
+    end: int
+
+
+def prefix_blocks(tokens: list[int], *, family: str, salt: str, block_size: int) -> list[StoreBlock]:
+    """The store entries that hold the base's KV of ``tokens``: its full blocks, keyed as the torch
+    engine keys them, then the partial tail (chained after the last full block).
+
+    >>> bs = prefix_blocks(list(range(40)), family="f" * 64, salt="", block_size=16)
+    >>> [(b.start, b.end) for b in bs]
+    [(0, 16), (16, 32), (32, 40)]
+    >>> bs[1].parent == bs[0].key
+    True
+    """
+    ns = Namespace.family(family, salt=salt)
+    keys = Layout(ns).block_keys(tokens, block_size=block_size)
+    out, parent = [], ROOT_KEY
+    for i, key in enumerate(keys):
+        out.append(StoreBlock(key, parent, i * block_size, (i + 1) * block_size))
+        parent = key
+    tail = len(keys) * block_size
+    if tail < len(tokens):
+        out.append(StoreBlock(chain_key(parent, ns, tokens[tail:]), parent, tail, len(tokens)))
+    return out
+
+
+@dataclass(slots=True)
+class Transfer:
+    """One request's copy between the paged cache and the store, positions ``[start, end)``."""
+
+    request_id: str
+    block_ids: list[int]
+    tokens: list[int]
+    blocks: list[StoreBlock]
+
+
+@dataclass(slots=True)
+class AgentshareMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Plan:
+    op: str
+    n: int
+    tokens: list[int]
+    blocks: list[StoreBlock]
+    block_ids: list[int] = field(default_factory=list)
+
+
+def request_params(request: Request) -> dict[str, Any] | None:
+    """agentshare's entry in a request's ``kv_transfer_params`` (None when it has none)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    p = params.get(PARAMS_KEY)
+    if p is None:
+        return None
+    if not isinstance(p, dict) or p.get("op") not in ("save", "load") or not isinstance(p.get("n"), int) \
+            or p["n"] < 0 or not isinstance(p.get("salt", ""), str):
+        raise ValueError(f"kv_transfer_params.{PARAMS_KEY} must be {{op: save|load, n: int >= 0, salt: str}}, got {p!r}")
+    return p
+
+
+def kv_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, family: str) -> str:
+    """A digest of what a store block's bytes mean on this instance (and the family they hold)."""
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    parts = [
+        family, str(kv_cache_config.kv_cache_layout), str(len(group.layer_names)),
+        str(getattr(spec, "num_kv_heads", "")), str(getattr(spec, "head_size", "")),
+        str(getattr(spec, "head_size_v", "")), str(getattr(spec, "dtype", "")), str(vllm_config.cache_config.block_size),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+class AgentshareConnector(KVConnectorBase_V1):
+    """See the module docstring. One instance per role (scheduler, worker) per vLLM process."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        try:
+            self.family: str = extra["family"]
+            self.served: str = extra.get("served", "")
+            self.modules: dict[str, str | None] = dict(extra.get("modules", {}))
+            root, capacity = extra["store"], int(extra["capacity_bytes"])
+        except KeyError as e:
+            raise ValueError(f"agentshare connector: kv_connector_extra_config lacks {e}") from None
+        self.vllm_block_size = self.block_size = vllm_config.cache_config.block_size
+        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        self.store = KVStore(root, fmt=kv_format(vllm_config, kv_cache_config, self.family),
+                             capacity_bytes=capacity, role=role.name.lower())
+        self._plans: dict[str, _Plan] = {}
+        self._block_ids: dict[str, list[int]] = {}
+        self._kv: list[torch.Tensor] = []
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def _module_of(self, request: Request) -> str:
+        lora = getattr(request, "lora_request", None)
+        return lora.lora_name if lora is not None else self.served
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        p = request_params(request)
+        if p is None:
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        if p["op"] == "save":  # the base computes every prompt position
+            n = min(p["n"], len(tokens))
+            blocks = prefix_blocks(tokens[:n], family=self.family, salt=p.get("salt", ""), block_size=self.block_size)
+            todo = [b for b in blocks if not self.store.contains(b.key)]
+            if todo:
+                self._plans[request.request_id] = _Plan("save", n, tokens[:n], todo)
+            return 0, False
+        # a decode instance computes at least the last prompt position itself
+        n = min(p["n"], max(len(tokens) - 1, 0))
+        blocks = prefix_blocks(tokens[:n], family=self.family, salt=p.get("salt", ""), block_size=self.block_size)
+        c = self.store.counters
+        c.lookups += 1
+        if self.modules.get(self._module_of(request)) != self.family:
+            c.refused_lookups += 1
+            self.store.publish()
+            return 0, False
+        if num_computed_tokens >= n:
+            self.store.publish()
+            return 0, False
+        need = [b for b in blocks if b.end > num_computed_tokens]
+        if not all(self.store.contains(b.key) for b in need):
+            self.store.publish()
+            return 0, False
+        c.hit_lookups += 1
+        c.hit_tokens += n - num_computed_tokens
+        self.store.publish()
+        self._plans[request.request_id] = _Plan("load", n, tokens[:n], need)
+        return n - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        plan = self._plans.get(request.request_id)
+        if plan is not None and plan.op == "load" and num_external_tokens == 0:
+            del self._plans[request.request_id]  # vLLM chose not to load (e.g. a longer local hit)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = AgentshareMetadata()
+        done: dict[str, int] = {}
+        for req in scheduler_output.scheduled_new_reqs:
+            self._block_ids[req.req_id] = list(req.block_ids[0])
+            done[req.req_id] = req.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(req.req_id, 0)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            if new is not None and rid in self._block_ids:
+                if rid in cached.resumed_req_ids:  # after a preemption: the whole list again
+                    self._block_ids[rid] = list(new[0])
+                else:
+                    self._block_ids[rid].extend(new[0])
+            done[rid] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(rid, 0)
+        for rid, plan in list(self._plans.items()):
+            if rid not in done:
+                continue
+            t = Transfer(rid, list(self._block_ids.get(rid, [])), plan.tokens, plan.blocks)
+            if plan.op == "load":
+                meta.loads.append(t)  # the first step that schedules it: load before the forward
+                del self._plans[rid]
+            elif done[rid] >= plan.n:
+                meta.saves.append(t)  # the step that completes the prefix: save after it
+                del self._plans[rid]
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._plans.pop(request.request_id, None)
+        self._block_ids.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        kv = [kv_caches[name] for name in self.layer_names]
+        for name, t in zip(self.layer_names, kv, strict=True):
+            if t.dim() != 4 or self.vllm_block_size % t.shape[2]:
+                raise ValueError(f"agentshare connector: layer {name} has a KV view of shape "
+                                 f"{tuple(t.shape)}; expected [blocks, heads, tokens, channels]")
+        self._kv = kv
+
+    def _kernel_blocks(self, block_ids: list[int], b: StoreBlock) -> torch.Tensor:
+        """The kernel blocks of the scheduler block that holds store block ``b``."""
+        ratio = self.vllm_block_size // self._kv[0].shape[2]
+        mb = block_ids[b.start // self.vllm_block_size]
+        return torch.arange(mb * ratio, (mb + 1) * ratio, device=self._kv[0].device)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AgentshareMetadata)
+        for t in meta.loads:
+            for b in t.blocks:
+                raw = self.store.get(b.key, parent=b.parent, tokens=t.tokens[b.start:b.end])
+                if raw is None:
+                    # checked at scheduling and pinned by the frontend; a load that still fails
+                    # must not be served as exact: fail loudly (vLLM fails the request)
+                    raise RuntimeError(f"agentshare connector: store block {b.key.hex()[:16]} of request "
+                                       f"{t.request_id} vanished or does not match")
+                kb = self._kernel_blocks(t.block_ids, b)
+                for layer, kv in enumerate(self._kv):
+                    kv[kb] = torch.from_numpy(np.array(raw[layer])).view(kv.dtype).to(kv.device)
+        self.store.publish()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv copies every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # wait_for_save copies every layer after the forward
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AgentshareMetadata)
+        if not meta.saves:
+            return
+        for t in meta.saves:
+            for b in t.blocks:
+                kb = self._kernel_blocks(t.block_ids, b)
+                kv = torch.stack([layer[kb] for layer in self._kv])  # [layers, kernel blocks, H, N, C]
+                raw = kv.contiguous().view(torch.uint8).cpu().numpy()
+                self.store.put(b.key, parent=b.parent, tokens=t.tokens[b.start:b.end], kv=raw)
+        self.store.evict()
+        self.store.publish()

@@ -1,0 +1,258 @@
+"""The prefix KV store shared by the vLLM instances of one host: blocks as files in shared memory.
+
+::
+
+    <root>/<format>/blocks/<key hex>     one block of ``block_size`` tokens (or a prefix's tail),
+                                         every layer: header (key, parent, tokens, dtype, shape,
+                                         crc32) + raw KV bytes
+    <root>/<format>/pins/<name>          keys a caller holds (a request in flight, a pinned
+                                         context) until it unpins them or they expire
+    <root>/<format>/stats/<role>-<pid>   one process's counters (JSON), summed by ``counters()``
+
+Keys are the project's block keys (:mod:`server.kv.keys`): a block is found only under the
+chain of everything before it, its namespace (family digest and tenant salt) and its tokens.
+``<format>`` is a digest of what the bytes mean (the attention backend's KV layout, dtype and
+per-token shape): instances whose KV is laid out differently never see each other's blocks.
+
+Writes are atomic (a temporary name, then ``os.rename``); a reader checks the header against
+the key, parent and token ids it expects and the payload against its crc32, and treats any
+mismatch as a miss. Memory is bounded: after a write the writer evicts the least recently
+used blocks (readers touch a block's mtime) until the store is within ``capacity_bytes``,
+skipping pinned blocks. A block that is evicted while a reader has it open stays readable to
+that reader (tmpfs frees it at the last close).
+
+>>> import tempfile, numpy as np
+>>> store = KVStore(tempfile.mkdtemp(), fmt="doc", capacity_bytes=1 << 20, role="doc")
+>>> key = bytes(32)
+>>> store.put(key, parent=bytes(32), tokens=[1, 2], kv=np.ones((2, 1, 2, 4), np.float32))
+True
+>>> store.get(key, parent=bytes(32), tokens=[1, 2]).shape
+(2, 1, 2, 4)
+>>> store.get(key, parent=bytes(32), tokens=[1, 3]) is None  # other tokens: a miss
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("agentshare.vllm.store")
+
+_MAGIC = b"ASKVSTORE1"
+_HEADER_LEN = struct.Struct("<I")
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    """One process's store counters; every field is a monotonic total."""
+
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    lookups: int = 0  # requests that asked for a shared prefix
+    hit_lookups: int = 0  # ... and found all of it
+    hit_tokens: int = 0  # tokens reported to vLLM as external cached tokens
+    refused_lookups: int = 0  # asked by a module that may not share (another family, no manifest)
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
+    rejected_blocks: int = 0  # a file whose header or checksum did not match: treated as a miss
+
+    def add(self, other: StoreCounters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class KVStore:
+    """Blocks of prefix KV in files under ``root`` (``/dev/shm`` in production), one per key."""
+
+    def __init__(self, root: str | os.PathLike[str], *, fmt: str, capacity_bytes: int, role: str) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.dir = Path(root) / fmt
+        self.blocks = self.dir / "blocks"
+        self.pins = self.dir / "pins"
+        self.stats_dir = self.dir / "stats"
+        for d in (self.blocks, self.pins, self.stats_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.counters = StoreCounters()
+        self._stats_file = self.stats_dir / f"{role}-{os.getpid()}.json"
+        self._lock = threading.Lock()
+
+    # -- blocks -------------------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> Path:
+        return self.blocks / key.hex()
+
+    def contains(self, key: bytes) -> bool:
+        return self._path(key).exists()
+
+    def put(self, key: bytes, *, parent: bytes, tokens: Sequence[int], kv: np.ndarray) -> bool:
+        """Write one block unless it is there already; False when it was."""
+        path = self._path(key)
+        if path.exists():
+            return False
+        payload = np.ascontiguousarray(kv)
+        header = json.dumps({
+            "key": key.hex(), "parent": parent.hex(), "tokens": [int(t) for t in tokens],
+            "dtype": payload.dtype.str, "shape": list(payload.shape),
+            "crc32": zlib.crc32(memoryview(payload).cast("B")),
+        }).encode()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(_MAGIC + _HEADER_LEN.pack(len(header)) + header)
+            f.write(memoryview(payload).cast("B"))
+        os.rename(tmp, path)  # atomic: a reader sees the whole block or none
+        with self._lock:
+            self.counters.saved_blocks += 1
+            self.counters.saved_bytes += payload.nbytes
+        return True
+
+    def get(self, key: bytes, *, parent: bytes, tokens: Sequence[int]) -> np.ndarray | None:
+        """The block's KV, or None when it is absent or does not match what the caller expects."""
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        kv = self._decode(data, key, parent, tokens)
+        with self._lock:
+            if kv is None:
+                self.counters.rejected_blocks += 1
+                log.warning("store block %s does not match its key; treated as a miss", key.hex()[:16])
+            else:
+                self.counters.loaded_blocks += 1
+                self.counters.loaded_bytes += kv.nbytes
+        if kv is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)  # recently used: evicted last
+        return kv
+
+    @staticmethod
+    def _decode(data: bytes, key: bytes, parent: bytes, tokens: Sequence[int]) -> np.ndarray | None:
+        n = len(_MAGIC)
+        if data[:n] != _MAGIC or len(data) < n + _HEADER_LEN.size:
+            return None
+        (hlen,) = _HEADER_LEN.unpack_from(data, n)
+        start = n + _HEADER_LEN.size + hlen
+        try:
+            h = json.loads(data[n + _HEADER_LEN.size : start])
+            dtype, shape = np.dtype(h["dtype"]), tuple(int(s) for s in h["shape"])
+        except (ValueError, KeyError, TypeError):
+            return None
+        if (h.get("key") != key.hex() or h.get("parent") != parent.hex()
+                or h.get("tokens") != [int(t) for t in tokens]):
+            return None
+        payload = memoryview(data)[start:]
+        if len(payload) != dtype.itemsize * int(np.prod(shape)) or zlib.crc32(payload) != h.get("crc32"):
+            return None
+        return np.frombuffer(payload, dtype=dtype).reshape(shape)
+
+    # -- pins ---------------------------------------------------------------------------------
+
+    def pin(self, name: str, keys: Iterable[bytes], *, ttl: float) -> None:
+        """Keep ``keys`` from eviction until :meth:`unpin` or ``ttl`` seconds from now."""
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"invalid pin name {name!r}")
+        body = json.dumps({"expires": time.time() + ttl, "keys": [k.hex() for k in keys]})
+        tmp = self.pins / f".{name}.tmp"
+        tmp.write_text(body)
+        os.rename(tmp, self.pins / name)
+
+    def unpin(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.pins / name).unlink()
+
+    def _pinned(self) -> set[str]:
+        now, keep = time.time(), set()
+        for p in self.pins.iterdir():
+            if p.name.startswith("."):
+                continue
+            try:
+                body = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if body.get("expires", 0) < now:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                continue
+            keep.update(body.get("keys", ()))
+        return keep
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def usage(self) -> tuple[int, int]:
+        """(blocks, bytes) held now."""
+        n = size = 0
+        for e in os.scandir(self.blocks):
+            if not e.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    size += e.stat().st_size
+                    n += 1
+        return n, size
+
+    def evict(self) -> int:
+        """Remove least recently used unpinned blocks until within capacity; blocks removed."""
+        entries = []
+        total = 0
+        for e in os.scandir(self.blocks):
+            if e.name.startswith("."):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                st = e.stat()
+                entries.append((st.st_mtime, e.name, st.st_size))
+                total += st.st_size
+        if total <= self.capacity_bytes:
+            return 0
+        pinned = self._pinned()
+        removed = 0
+        for _, name, size in sorted(entries):
+            if total <= self.capacity_bytes:
+                break
+            if name in pinned:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                (self.blocks / name).unlink()
+                total -= size
+                removed += 1
+                with self._lock:
+                    self.counters.evicted_blocks += 1
+                    self.counters.evicted_bytes += size
+        if total > self.capacity_bytes:
+            log.warning("KV store over capacity (%d > %d bytes): the rest is pinned", total, self.capacity_bytes)
+        return removed
+
+    # -- counters -----------------------------------------------------------------------------
+
+    def publish(self) -> None:
+        """Write this process's counters where :meth:`counters` finds them."""
+        with self._lock:
+            body = json.dumps(asdict(self.counters))
+        tmp = self._stats_file.with_name(f".{self._stats_file.name}.tmp")
+        tmp.write_text(body)
+        os.rename(tmp, self._stats_file)
+
+    def counters_total(self) -> StoreCounters:
+        """The sum of every process's published counters."""
+        total = StoreCounters()
+        for p in self.stats_dir.iterdir():
+            if p.name.startswith("."):
+                continue
+            try:
+                total.add(StoreCounters(**json.loads(p.read_text())))
+            except (OSError, ValueError, TypeError):
+                continue
+        return total
