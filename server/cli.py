@@ -123,14 +123,35 @@ def serve(
                                                f"/internal/cluster asks for (or {_ADMIN_ENV})"),
     otel: bool = typer.Option(False, "--otel", help="trace requests with OpenTelemetry (the otel extra; also "
                               "AGENTSHARE_OTEL=1; AGENTSHARE_TRACE_FILE=path writes spans as JSON lines)"),
+    engine: str = typer.Option("torch", help="torch (the embedded engine) or vllm (vLLM instances sharing one "
+                               "base prefill through agentshare's KV connector; the vllm extra)"),
+    kv_store: str = typer.Option("2GiB", help="with --engine vllm: shared-memory store of prefix KV"),
+    lora_instances: int = typer.Option(1, help="with --engine vllm: vLLM instances the LoRA modules are dealt to"),
+    enforce_eager: bool = typer.Option(False, help="with --engine vllm: compile nothing (starts faster, runs slower)"),
 ) -> None:
     """Serve the OpenAI-compatible and native API; every agent of the family shares prefill."""
     _otel(otel)
-    from server.api.serve import config_from_options
+    from server.api.serve import config_from_options, parse_bytes
     from server.api.serve import serve as run_server
 
     opts = locals()
     config = config_from_options(opts)
+    if engine not in ("torch", "vllm"):
+        raise typer.BadParameter("--engine is torch or vllm")
+    if engine == "vllm":
+        if disaggregated:
+            raise typer.BadParameter("--engine vllm is disaggregated already (a base instance and decode "
+                                     "instances); leave out --disaggregated")
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise typer.BadParameter("--engine vllm needs vLLM: pip install 'agentshare[vllm]' (CPUs) or "
+                                     "vllm (GPUs)") from None
+        from server.vllm.serve import VllmOptions, serve_vllm
+
+        serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
+                                       enforce_eager=enforce_eager))
+        return
     if not disaggregated:
         run_server(config)
         return

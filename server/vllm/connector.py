@@ -49,8 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from server.kv.keys import ROOT_KEY, Layout, Namespace, chain_key
-from server.vllm.store import KVStore
+from server.vllm.store import KVStore, StoreBlock, prefix_blocks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,38 +63,6 @@ log = logging.getLogger("agentshare.vllm.connector")
 
 PARAMS_KEY = "agentshare"
 """The key of agentshare's entry in a request's ``kv_transfer_params``."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreBlock:
-    """One store entry of a prefix: its key, its parent's key, and positions ``[start, end)``."""
-
-    key: bytes
-    parent: bytes
-    start: int
-    end: int
-
-
-def prefix_blocks(tokens: list[int], *, family: str, salt: str, block_size: int) -> list[StoreBlock]:
-    """The store entries that hold the base's KV of ``tokens``: its full blocks, keyed as the torch
-    engine keys them, then the partial tail (chained after the last full block).
-
-    >>> bs = prefix_blocks(list(range(40)), family="f" * 64, salt="", block_size=16)
-    >>> [(b.start, b.end) for b in bs]
-    [(0, 16), (16, 32), (32, 40)]
-    >>> bs[1].parent == bs[0].key
-    True
-    """
-    ns = Namespace.family(family, salt=salt)
-    keys = Layout(ns).block_keys(tokens, block_size=block_size)
-    out, parent = [], ROOT_KEY
-    for i, key in enumerate(keys):
-        out.append(StoreBlock(key, parent, i * block_size, (i + 1) * block_size))
-        parent = key
-    tail = len(keys) * block_size
-    if tail < len(tokens):
-        out.append(StoreBlock(chain_key(parent, ns, tokens[tail:]), parent, tail, len(tokens)))
-    return out
 
 
 @dataclass(slots=True)
@@ -164,6 +131,8 @@ class AgentshareConnector(KVConnectorBase_V1):
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self.store = KVStore(root, fmt=kv_format(vllm_config, kv_cache_config, self.family),
                              capacity_bytes=capacity, role=role.name.lower())
+        self.store.describe({"block_size": self.block_size, "family": self.family,
+                             "layout": str(kv_cache_config.kv_cache_layout)})
         self._plans: dict[str, _Plan] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._kv: list[torch.Tensor] = []

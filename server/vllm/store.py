@@ -48,10 +48,44 @@ from pathlib import Path
 
 import numpy as np
 
+from server.kv.keys import ROOT_KEY, Layout, Namespace, chain_key
+
 log = logging.getLogger("agentshare.vllm.store")
 
 _MAGIC = b"ASKVSTORE1"
 _HEADER_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBlock:
+    """One store entry of a prefix: its key, its parent's key, and positions ``[start, end)``."""
+
+    key: bytes
+    parent: bytes
+    start: int
+    end: int
+
+
+def prefix_blocks(tokens: list[int], *, family: str, salt: str, block_size: int) -> list[StoreBlock]:
+    """The store entries that hold the base's KV of ``tokens``: its full blocks, keyed as the torch
+    engine keys them, then the partial tail (chained after the last full block).
+
+    >>> bs = prefix_blocks(list(range(40)), family="f" * 64, salt="", block_size=16)
+    >>> [(b.start, b.end) for b in bs]
+    [(0, 16), (16, 32), (32, 40)]
+    >>> bs[1].parent == bs[0].key
+    True
+    """
+    ns = Namespace.family(family, salt=salt)
+    keys = Layout(ns).block_keys(tokens, block_size=block_size)
+    out, parent = [], ROOT_KEY
+    for i, key in enumerate(keys):
+        out.append(StoreBlock(key, parent, i * block_size, (i + 1) * block_size))
+        parent = key
+    tail = len(keys) * block_size
+    if tail < len(tokens):
+        out.append(StoreBlock(chain_key(parent, ns, tokens[tail:]), parent, tail, len(tokens)))
+    return out
 
 
 @dataclass(slots=True)
@@ -92,6 +126,13 @@ class KVStore:
         self._stats_file = self.stats_dir / f"{role}-{os.getpid()}.json"
         self._lock = threading.Lock()
 
+    def describe(self, facts: dict[str, object]) -> None:
+        """Record what the format's blocks are (block size, family, layout) for other processes."""
+        path = self.dir / "config.json"
+        tmp = path.with_name(f".config.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(facts))
+        os.rename(tmp, path)
+
     # -- blocks -------------------------------------------------------------------------------
 
     def _path(self, key: bytes) -> Path:
@@ -109,12 +150,12 @@ class KVStore:
         header = json.dumps({
             "key": key.hex(), "parent": parent.hex(), "tokens": [int(t) for t in tokens],
             "dtype": payload.dtype.str, "shape": list(payload.shape),
-            "crc32": zlib.crc32(memoryview(payload).cast("B")),
+            "crc32": zlib.crc32(payload.data.cast("B")),
         }).encode()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
             f.write(_MAGIC + _HEADER_LEN.pack(len(header)) + header)
-            f.write(memoryview(payload).cast("B"))
+            f.write(payload.data.cast("B"))
         os.rename(tmp, path)  # atomic: a reader sees the whole block or none
         with self._lock:
             self.counters.saved_blocks += 1

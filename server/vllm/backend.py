@@ -1,0 +1,409 @@
+"""The vLLM backend: the API's :class:`~server.backend.Backend` over supervised vLLM instances.
+
+The routes, the SDK and the rendering are the torch engine's; only the engine differs. One
+request to an agent that joins the family::
+
+    1. pin the prefix's store blocks (nothing evicts them while the request runs)
+    2. the prefix [0, IP) is in the store?  no: the base instance prefills it once (concurrent
+       requests for one prefix wait on that one prefill) and its connector saves the blocks
+    3. stream /v1/completions from the agent's instance with {op: load, n: IP}: its connector
+       reports the prefix as external cached tokens and loads it; the module computes from IP on
+    4. unpin
+
+When the base cannot prefill (it died, it is restarting), the agent's instance computes the
+whole prompt with the module's weights: a private prefill, under a vLLM cache salt of its own
+so that no later request mistakes that KV for the base's. The base agent itself runs on the
+base instance with vLLM's prefix cache (its salt: the tenant's). Pinned contexts are base
+prefills whose blocks stay pinned for their TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.backend import (
+    AgentCard,
+    CacheReport,
+    EngineFacts,
+    EngineSnapshot,
+    EventSource,
+    HealthReport,
+)
+from server.engine.errors import InvalidRequest, PromptTooLong, Unavailable, UnknownModule
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import FinishReason, Timeline, TokenEvent, Usage
+from server.modules.registry import identify
+from server.prompt import Placement, Prompt
+from server.vllm.launch import BASE, VllmInstances
+from server.vllm.store import KVStore, StoreBlock, prefix_blocks
+
+log = logging.getLogger("agentshare.vllm")
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.CANCELLED}
+
+
+def _salt_tag(salt: str) -> str:
+    """vLLM's cache salt allows neither '/' nor '@'; a tenant's salt may hold anything."""
+    return hashlib.sha256(salt.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one agent is served: its instance, and the model name requests there carry."""
+
+    instance: str
+    model: str
+    card: AgentCard
+
+
+class VllmStream:
+    """The events of one request, produced by a task that talks to the instances."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+        self.finished = False
+
+    def __aiter__(self) -> VllmStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self.finished:
+            raise StopAsyncIteration
+        event = await self.queue.get()
+        self.finished = event.finish_reason is not None
+        return event
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.finished = True
+            if self.task is not None:
+                self.task.cancel()  # closes the HTTP stream: vLLM aborts the request and frees its KV
+
+
+class VllmBackend:
+    """Serve the API from the vLLM instances of :class:`VllmInstances` (already started)."""
+
+    def __init__(self, instances: VllmInstances, *, tokenizer: Any, family: str, modules: dict[str, Path],
+                 max_context: int, base_name: str = BASE, pin_ttl: float = 300.0) -> None:
+        self.instances = instances
+        self.family = family
+        self.base_name = base_name
+        self.pin_ttl = pin_ttl
+        self.routes: dict[str, Route] = {base_name: Route(BASE, base_name, AgentCard(base_name, "base", family, True))}
+        for spec in instances.instances.values():
+            for name in spec.spec.modules:
+                if name == base_name:
+                    continue
+                ident = identify(modules[name], name=name, family=family)
+                card = AgentCard(name, ident.kind, family if ident.shares_prefill else None, ident.shares_prefill,
+                                 str(ident.placement), ident.reason)
+                self.routes[name] = Route(spec.spec.name, name, card)
+        self.block_size = 0
+        self.store = self._open_store()
+        self.facts = EngineFacts(family, {n: r.card for n, r in self.routes.items()}, tokenizer,
+                                 self.block_size, max_context)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        self._prefills: dict[tuple[str, bytes], asyncio.Future[None]] = {}
+        self._contexts: dict[str, str] = {}
+        self._counts = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "imported_prompt_tokens": 0,
+                        "decode_tokens": 0, "finished": 0, "private_fallbacks": 0}
+        self._running = 0
+        self.collector = _VllmCollector(self)
+
+    def _open_store(self) -> KVStore:
+        root = self.instances.store.root
+        formats = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
+        if len(formats) != 1:
+            raise RuntimeError(f"the vLLM instances should share one KV format under {root}, found {formats}: "
+                               "they disagree on the KV layout, dtype or block size (see their logs)")
+        cfg = json.loads((root / formats[0] / "config.json").read_text())
+        self.block_size = int(cfg["block_size"])
+        return KVStore(root, fmt=formats[0], capacity_bytes=self.instances.store.capacity_bytes, role="frontend")
+
+    # -- the Backend interface ----------------------------------------------------------------
+
+    def _route(self, module: str) -> Route:
+        r = self.routes.get(module)
+        if r is None:
+            raise UnknownModule(module, list(self.routes))
+        return r
+
+    def _ip(self, route: Route, prompt: Prompt) -> int:
+        if route.card.is_base or not route.card.shares_prefill:
+            return 0
+        return prompt.invocation_point(Placement(route.card.placement))
+
+    async def submit(self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *,
+                     salt: str = "") -> EventSource:
+        route = self._route(module)
+        n = len(prompt.token_ids)
+        if n + 1 > self.facts.max_context:
+            raise PromptTooLong(n + 1, self.facts.max_context)
+        body = self._sampling(params)
+        stream = VllmStream()
+        stream.task = asyncio.create_task(self._run(stream, request_id, route, prompt, body, salt))
+        return stream
+
+    @staticmethod
+    def _sampling(p: SamplingParams) -> dict[str, Any]:
+        if p.forced_tokens:
+            raise InvalidRequest("forced_tokens is not supported by the vllm engine; use the torch engine")
+        if p.constraint is not None:
+            raise InvalidRequest("tools, response_format and constrained decoding are not supported by the vllm "
+                                 "engine yet; use the torch engine (agentshare serve without --engine vllm)")
+        body: dict[str, Any] = {
+            "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+            "top_k": p.top_k if p.top_k > 0 else -1, "ignore_eos": p.ignore_eos,
+            "repetition_penalty": p.repetition_penalty, "frequency_penalty": p.frequency_penalty,
+            "presence_penalty": p.presence_penalty,
+        }
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.stop:
+            body["stop"] = list(p.stop)
+        if p.stop_token_ids:
+            body["stop_token_ids"] = list(p.stop_token_ids)
+        if p.logprobs is not None:
+            body["logprobs"] = max(p.logprobs, 1)
+            body["return_tokens_as_token_ids"] = True
+        return body
+
+    async def _run(self, stream: VllmStream, request_id: str, route: Route, prompt: Prompt,
+                   sampling: dict[str, Any], salt: str) -> None:
+        start = time.monotonic()
+        tokens = list(prompt.token_ids)
+        ip = self._ip(route, prompt)
+        pin = f"req-{_salt_tag(request_id)}"
+        shared = ip > 0
+        self._running += 1
+        try:
+            if shared:
+                keys = [b.key for b in self._blocks(tokens[:ip], salt)]
+                self.store.pin(pin, keys, ttl=self.pin_ttl)
+                try:
+                    await self._prefill(tokens[:ip], salt, keys)
+                except (httpx.HTTPError, Unavailable) as exc:
+                    log.warning("base prefill failed; private prefill", extra={
+                        "event": "private_fallback", "request_id": request_id, "error": str(exc) or type(exc).__name__})
+                    self._counts["private_fallbacks"] += 1
+                    shared = False
+            body = {"model": route.model, "prompt": tokens, "stream": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True}, **sampling}
+            if shared:
+                body["kv_transfer_params"] = {"agentshare": {"op": "load", "n": ip, "salt": salt}}
+                body["cache_salt"] = f"{_salt_tag(salt)}.ip{ip}"
+            elif route.card.is_base:
+                body["cache_salt"] = _salt_tag(salt)
+            else:
+                body["cache_salt"] = f"{_salt_tag(salt)}.private"
+            await self._stream(stream, request_id, route, body, start, imported=ip if shared else 0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the request fails alone; the server keeps serving
+            log.warning("vllm request failed", extra={"event": "vllm_error", "request_id": request_id,
+                                                      "error": str(exc) or type(exc).__name__})
+            stream.queue.put_nowait(TokenEvent(request_id, None, "", finish_reason=FinishReason.ERROR,
+                                               error=f"the vllm instance failed: {exc}"))
+        finally:
+            self._running -= 1
+            if ip > 0:
+                self.store.unpin(pin)
+
+    def _blocks(self, tokens: list[int], salt: str) -> list[StoreBlock]:
+        return prefix_blocks(tokens, family=self.family, salt=salt, block_size=self.block_size)
+
+    async def _prefill(self, prefix: list[int], salt: str, keys: list[bytes]) -> None:
+        """The base's KV of ``prefix`` in the store: computed once however many ask at once."""
+        if all(self.store.contains(k) for k in keys):
+            return
+        if not self.instances[BASE].ready:
+            raise Unavailable("the base instance is not serving")
+        flight = (salt, keys[-1])
+        fut = self._prefills.get(flight)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._prefills[flight] = fut
+            try:
+                body = {"model": self.base_name, "prompt": prefix, "max_tokens": 1, "cache_salt": _salt_tag(salt),
+                        "kv_transfer_params": {"agentshare": {"op": "save", "n": len(prefix), "salt": salt}}}
+                r = await self._http.post(self.instances[BASE].url + "/v1/completions", json=body)
+                r.raise_for_status()
+                if not all(self.store.contains(k) for k in keys):
+                    raise Unavailable("the base instance answered but saved no prefix (see its log)")
+                fut.set_result(None)
+            except BaseException as exc:
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: no "never retrieved" warning when nobody else waits
+                raise
+            finally:
+                self._prefills.pop(flight, None)
+        else:
+            await asyncio.shield(fut)
+
+    async def _stream(self, stream: VllmStream, request_id: str, route: Route, body: dict[str, Any],
+                      start: float, *, imported: int) -> None:
+        url = self.instances[route.instance].url + "/v1/completions"
+        first: float | None = None
+        count = 0
+        finish: FinishReason | None = None
+        usage: dict[str, Any] = {}
+        async with self._http.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:500]
+                if resp.status_code == 400:
+                    raise InvalidRequest(f"vllm refused the request: {text}")
+                raise RuntimeError(f"HTTP {resp.status_code}: {text}")
+            async for data in _sse(resp.aiter_lines()):
+                chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                    tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+                    for i, tid in enumerate(ids):
+                        if first is None:
+                            first = time.monotonic()
+                        count += 1
+                        top = [(_token_id(k), v) for k, v in (tops[i] or {}).items()] if i < len(tops) else []
+                        stream.queue.put_nowait(TokenEvent(
+                            request_id, tid, choice.get("text", "") if i == len(ids) - 1 else "",
+                            logprob=lps[i] if i < len(lps) else None, top_logprobs=top))
+                    if choice.get("finish_reason"):
+                        finish = _FINISH.get(choice["finish_reason"], FinishReason.STOP)
+        prompt_tokens = int(usage.get("prompt_tokens", len(body["prompt"])))
+        cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+        end = time.monotonic()
+        c = self._counts
+        c["prompt_tokens"] += prompt_tokens
+        c["cached_prompt_tokens"] += cached
+        c["imported_prompt_tokens"] += min(imported, cached)
+        c["decode_tokens"] += count
+        c["finished"] += 1
+        timeline = Timeline(queue_s=0.0, ttft_s=None if first is None else first - start, e2e_s=end - start,
+                            decode_steps=max(count - 1, 0), computed_tokens=prompt_tokens - cached,
+                            reused_tokens=cached - min(imported, cached), imported_tokens=min(imported, cached),
+                            prefill=self.instances[BASE].url if imported else "local", route=f"vllm:{route.instance}")
+        stream.queue.put_nowait(TokenEvent(
+            request_id, None, "", finish_reason=finish or FinishReason.STOP,
+            usage=Usage(prompt_tokens, cached, count), timeline=timeline))
+
+    async def add_context(self, context_id: str, token_ids: SequenceOf[int], *, ttl: float,
+                          salt: str = "") -> TokenEvent:
+        ids = list(token_ids)
+        if not ids:
+            raise InvalidRequest("a shared context needs at least one token")
+        keys = [b.key for b in self._blocks(ids, salt)]
+        name = f"ctx-{_salt_tag(context_id)}"
+        self.store.pin(name, keys, ttl=ttl)
+        cached = len(ids) if all(self.store.contains(k) for k in keys) else 0
+        try:
+            await self._prefill(ids, salt, keys)
+        except BaseException:
+            self.store.unpin(name)
+            raise
+        self._contexts[context_id] = name
+        return TokenEvent(context_id, None, "", finish_reason=FinishReason.PREFILLED,
+                          usage=Usage(len(ids), cached, 0))
+
+    async def release_context(self, context_id: str) -> bool:
+        name = self._contexts.pop(context_id, None)
+        if name is None:
+            return False
+        self.store.unpin(name)
+        return True
+
+    async def explain(self, module: str, prompt: Prompt, *, salt: str = "") -> CacheReport:
+        route = self._route(module)
+        ip = self._ip(route, prompt)
+        blocks = [b for b in self._blocks(list(prompt.token_ids[:ip]), salt) if b.end - b.start == self.block_size]
+        hit = 0
+        for b in blocks:
+            if not self.store.contains(b.key):
+                break
+            hit += 1
+        total = len(prompt.token_ids) // self.block_size
+        return CacheReport(self.block_size, total, hit)
+
+    async def snapshot(self) -> EngineSnapshot:
+        c = self._counts
+        s = self.store.counters_total()
+        blocks, held = await asyncio.to_thread(self.store.usage)
+        cap = self.instances.store.capacity_bytes
+        per_block = held // blocks if blocks else 0
+        return EngineSnapshot(
+            prompt_tokens=c["prompt_tokens"], cached_prompt_tokens=c["cached_prompt_tokens"],
+            imported_prompt_tokens=c["imported_prompt_tokens"], prefill_tokens=c["prompt_tokens"],
+            decode_tokens=c["decode_tokens"], finished=c["finished"], hit_blocks=s.loaded_blocks,
+            evictions=s.evicted_blocks, blocks_capacity=cap // per_block if per_block else 0,
+            blocks_held=blocks, bytes_held=held, running=self._running, contexts=len(self._contexts),
+        )
+
+    def health(self) -> HealthReport:
+        down = self.instances.down()
+        return HealthReport(0, self._running, tuple(f"vllm instance {n} is not serving" for n in down))
+
+    def close(self) -> None:
+        self.instances.close()
+
+
+async def _sse(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    async for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            if data.strip() == "[DONE]":
+                return
+            yield data
+
+
+def _token_id(key: str) -> int:
+    """vLLM's ``return_tokens_as_token_ids`` names a token ``token_id:123``."""
+    return int(key.rsplit(":", 1)[1]) if key.startswith("token_id:") else -1
+
+
+class _VllmCollector:
+    """Prometheus collector: the store's counters, and every instance's own metrics (labelled
+    ``instance``), fetched at scrape time."""
+
+    def __init__(self, backend: VllmBackend) -> None:
+        self.backend = backend
+
+    def collect(self) -> Iterable[Metric]:
+        b = self.backend
+        s = b.store.counters_total()
+        g = GaugeMetricFamily("agentshare_vllm_store", "agentshare's vLLM KV store counters", labels=["counter"])
+        for name, value in asdict(s).items():
+            g.add_metric([name], value)
+        yield g
+        fb = GaugeMetricFamily("agentshare_vllm_private_fallbacks", "requests served by a private prefill "
+                               "because the base instance could not prefill")
+        fb.add_metric([], b._counts["private_fallbacks"])
+        yield fb
+        for name, inst in b.instances.instances.items():
+            if not inst.ready:
+                continue
+            try:
+                text = httpx.get(inst.url + "/metrics", timeout=2).text
+            except httpx.HTTPError:
+                continue
+            for fam in text_string_to_metric_families(text):
+                if not fam.name.startswith("vllm"):
+                    continue
+                out = Metric(fam.name, fam.documentation, fam.type)
+                for sample in fam.samples:
+                    out.add_sample(sample.name, {**sample.labels, "instance": name}, sample.value)
+                yield out

@@ -1,0 +1,260 @@
+"""Plan, start and supervise the vLLM instances of ``agentshare serve --engine vllm``.
+
+::
+
+    base        the base model; computes every shared prefix and saves it to the store
+                (compiled unless --enforce-eager; vLLM compiles nothing once LoRA is on)
+    lora-<i>    the base with the LoRA modules dealt to it (round-robin, as the cluster deals
+                agents to decode workers); loads the prefix of every module that joins the family
+    full-<name> one per full module (another model directory of the family)
+
+Every instance runs ``python -m vllm.entrypoints.openai.api_server`` with this package's
+connector (:mod:`server.vllm.connector`) on ``127.0.0.1`` and a port of its own: the store's
+requests carry a tenant's salt, so no instance may be reachable from the network. A supervisor
+thread restarts an instance that exits (with a back-off) and says which are down, for
+``/health``.
+
+>>> from server.kv.family import family_digest
+>>> family = family_digest(model_dir, kv_dtype="float32")
+>>> plan = plan_instances(model_dir, {"coder": coder_dir}, family=family, dtype="float32")
+>>> [(s.name, sorted(s.loras)) for s in plan]
+[('base', []), ('lora-0', ['coder'])]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from server.cluster.shm import shm_dir
+from server.modules.manifest import Manifest, ModuleKind
+from server.modules.registry import identify
+from server.process import die_with_parent, free_port
+
+log = logging.getLogger("agentshare.vllm")
+
+BASE = "base"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """One vLLM instance: what it serves and how it shares."""
+
+    name: str
+    model: Path
+    served: str  # the model name requests name (the base's, or the full module's)
+    loras: Mapping[str, Path] = field(default_factory=dict)
+    max_lora_rank: int = 0
+    modules: Mapping[str, str | None] = field(default_factory=dict)
+    """Each agent this instance serves -> the family its manifest names (None: no manifest)."""
+    compile: bool = True
+
+
+def _lora_rank(path: Path) -> int:
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    return int(cfg.get("r", 8))
+
+
+def plan_instances(
+    model_dir: Path, modules: Mapping[str, Path], *, family: str, dtype: str, lora_instances: int = 1,
+    base_name: str = BASE, enforce_eager: bool = False,
+) -> list[InstanceSpec]:
+    """The instances that serve ``modules`` beside the base (see the module docstring)."""
+    if lora_instances < 1:
+        raise ValueError("lora_instances must be at least 1")
+    loras: list[tuple[str, Path, str | None]] = []
+    full: list[tuple[str, Path, str | None]] = []
+    for name, path in modules.items():
+        ident = identify(path, name=name, family=family)
+        manifest = Manifest.read(Path(path))
+        named = manifest.family if manifest is not None else None
+        (loras if ident.kind == ModuleKind.LORA else full).append((name, Path(path), named))
+    plan = [InstanceSpec(BASE, model_dir, base_name, modules={base_name: family}, compile=not enforce_eager)]
+    groups = [loras[i::lora_instances] for i in range(lora_instances)]
+    for i, group in enumerate(g for g in groups if g):
+        plan.append(InstanceSpec(
+            f"lora-{i}", model_dir, base_name, loras={n: p for n, p, _ in group},
+            max_lora_rank=max(_lora_rank(p) for _, p, _ in group),
+            modules={base_name: family, **{n: f for n, _, f in group}}, compile=False,
+        ))
+    for name, path, named in full:
+        plan.append(InstanceSpec(f"full-{name}", path, name, modules={name: named}, compile=not enforce_eager))
+    return plan
+
+
+def _rank_bucket(rank: int) -> int:
+    """vLLM accepts a max LoRA rank from a fixed set; the smallest that holds ``rank``."""
+    for r in (8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= r:
+            return r
+    raise ValueError(f"LoRA rank {rank} is larger than vLLM supports (512)")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    root: Path
+    capacity_bytes: int
+    family: str
+
+
+def command(spec: InstanceSpec, *, port: int, dtype: str, store: StoreConfig, max_model_len: int,
+            python: str = sys.executable) -> list[str]:
+    """The command line that starts ``spec`` (vLLM's own options)."""
+    extra = {"store": str(store.root), "capacity_bytes": store.capacity_bytes, "family": store.family,
+             "served": spec.served, "modules": dict(spec.modules)}
+    kv = {"kv_connector": "AgentshareConnector", "kv_connector_module_path": "server.vllm.connector",
+          "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model),
+            "--served-model-name", spec.served, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-prefix-caching",
+            "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv),
+            "--disable-uvicorn-access-log"]
+    if not spec.compile:
+        args.append("--enforce-eager")
+    if spec.loras:
+        args += ["--enable-lora", "--max-loras", str(len(spec.loras)),
+                 "--max-lora-rank", str(_rank_bucket(spec.max_lora_rank)), "--lora-modules",
+                 *(f"{n}={p}" for n, p in spec.loras.items())]
+    return args
+
+
+@dataclass(slots=True)
+class Instance:
+    spec: InstanceSpec
+    port: int
+    args: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_file: IO[bytes] | None = None
+    starts: int = 0
+    ready: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+class VllmInstances:
+    """The running instances of one plan: started, waited for, restarted when they exit."""
+
+    def __init__(self, plan: list[InstanceSpec], *, dtype: str, max_model_len: int, capacity_bytes: int,
+                 family: str, kv_cache_gib: int = 1, log_dir: Path | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.store = StoreConfig(shm_dir() / f"agentshare-kv-{uuid.uuid4().hex[:12]}", capacity_bytes, family)
+        self.log_dir = log_dir or Path(self.store.root.parent / f"{self.store.root.name}-logs")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})}
+        # the connector is imported by vLLM's processes: they must find this package
+        root = str(Path(__file__).resolve().parents[2])
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH", "")) if p)
+        self.instances = {
+            s.name: Instance(s, port := free_port(), command(s, port=port, dtype=dtype, store=self.store,
+                                                             max_model_len=max_model_len))
+            for s in plan
+        }
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._supervisor: threading.Thread | None = None
+
+    def __getitem__(self, name: str) -> Instance:
+        return self.instances[name]
+
+    def _start(self, inst: Instance) -> None:
+        inst.log_file = open(self.log_dir / f"{inst.spec.name}.log", "ab")
+        # a session of its own: stopping the instance stops vLLM's engine processes with it
+        inst.proc = subprocess.Popen(inst.args, env=self.env, stdout=inst.log_file, stderr=subprocess.STDOUT,
+                                     preexec_fn=die_with_parent, start_new_session=True)
+        inst.starts += 1
+        inst.ready = False
+        log.info("vllm instance", extra={"event": "vllm_start", "instance": inst.spec.name, "port": inst.port,
+                                         "pid": inst.proc.pid, "log": str(self.log_dir / f"{inst.spec.name}.log")})
+
+    def start(self, *, timeout: float = 600.0) -> None:
+        """Start every instance and wait until all answer ``/health``; then supervise them."""
+        for inst in self.instances.values():
+            self._start(inst)
+        deadline = time.monotonic() + timeout
+        for inst in self.instances.values():
+            self._wait_ready(inst, deadline)
+        self._supervisor = threading.Thread(target=self._supervise, name="vllm-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _wait_ready(self, inst: Instance, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            assert inst.proc is not None
+            if inst.proc.poll() is not None:
+                raise RuntimeError(f"vLLM instance {inst.spec.name} exited with {inst.proc.returncode} while "
+                                   f"starting; see {self.log_dir / (inst.spec.name + '.log')}")
+            try:
+                if httpx.get(inst.url + "/health", timeout=2).status_code == 200:
+                    inst.ready = True
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM instance {inst.spec.name} did not become ready; see {self.log_dir}")
+
+    def _supervise(self) -> None:
+        backoff: dict[str, float] = {}
+        while not self._closed.wait(1.0):
+            for inst in self.instances.values():
+                if inst.proc is None or inst.proc.poll() is None:
+                    if not inst.ready and inst.proc is not None:
+                        try:
+                            inst.ready = httpx.get(inst.url + "/health", timeout=1).status_code == 200
+                        except httpx.HTTPError:
+                            pass
+                        if inst.ready:
+                            log.info("vllm instance ready", extra={"event": "vllm_ready", "instance": inst.spec.name})
+                    continue
+                inst.ready = False
+                wait = backoff.get(inst.spec.name, 1.0)
+                log.warning("vllm instance exited", extra={"event": "vllm_exit", "instance": inst.spec.name,
+                                                           "code": inst.proc.returncode, "restart_in_s": wait})
+                if self._closed.wait(wait):
+                    return
+                backoff[inst.spec.name] = min(wait * 2, 60.0)
+                with self._lock:
+                    if not self._closed.is_set():
+                        self._start(inst)
+
+    def down(self) -> list[str]:
+        """Instances not serving now (starting, restarting, or exited)."""
+        return [n for n, i in self.instances.items() if not i.ready]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed.set()
+        for inst in self.instances.values():
+            if inst.proc is not None:
+                _signal_group(inst.proc, signal.SIGTERM)
+        for inst in self.instances.values():
+            if inst.proc is not None:
+                try:
+                    inst.proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    pass
+                _signal_group(inst.proc, signal.SIGKILL)  # vLLM's engine processes, whatever is left
+                inst.proc.wait()
+            if inst.log_file is not None:
+                inst.log_file.close()
+        shutil.rmtree(self.store.root, ignore_errors=True)

@@ -1,0 +1,88 @@
+"""``agentshare serve --engine vllm``: start the vLLM instances, then serve the API over them.
+
+The API process loads no weights: it renders prompts (the model's tokenizer and chat template),
+computes the family digest, and routes (:class:`~server.vllm.backend.VllmBackend`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from server.api.config import ServerConfig
+
+if TYPE_CHECKING:
+    from server.vllm.backend import VllmBackend
+
+log = logging.getLogger("agentshare.vllm")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmOptions:
+    """What only the vllm engine takes."""
+
+    store_bytes: int = 2 << 30  # the shared-memory KV store's capacity
+    lora_instances: int = 1  # instances the LoRA modules are dealt to
+    enforce_eager: bool = False  # no compilation of the base and full instances (faster start)
+    start_timeout: float = 900.0
+
+
+def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions()) -> VllmBackend:
+    """Plan and start the instances; the :class:`VllmBackend` that serves from them."""
+    from transformers import AutoTokenizer
+
+    from server.engine.numerics import dtype_name, resolve_dtype
+    from server.kv.family import family_digest
+    from server.models.loader import default_model_dir
+    from server.vllm.backend import VllmBackend
+    from server.vllm.launch import VllmInstances, plan_instances
+
+    model_dir = Path(config.model_dir) if config.model_dir else default_model_dir()
+    dtype = dtype_name(resolve_dtype(config.dtype))
+    family = family_digest(model_dir, kv_dtype=dtype)
+    max_context = int(json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 4096))
+    plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
+                          lora_instances=options.lora_instances, enforce_eager=options.enforce_eager)
+    for spec in plan:
+        log.info("plan", extra={"event": "vllm_plan", "instance": spec.name, "agents": ",".join(spec.modules),
+                                "compile": spec.compile})
+    kv_gib = max(1, config.kv_cache_bytes >> 30)
+    instances = VllmInstances(plan, dtype=dtype, max_model_len=max_context, capacity_bytes=options.store_bytes,
+                              family=family, kv_cache_gib=kv_gib)
+    try:
+        instances.start(timeout=options.start_timeout)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return VllmBackend(instances, tokenizer=tokenizer, family=family, modules=dict(config.modules),
+                           max_context=max_context, base_name=config.base_name)
+    except BaseException:
+        instances.close()
+        raise
+
+
+def serve_vllm(config: ServerConfig, options: VllmOptions = VllmOptions()) -> None:
+    """Serve until interrupted (blocks)."""
+    import uvicorn
+
+    from server import tracing
+    from server.api.app import create_app
+    from server.api.logs import configure_logging
+
+    configure_logging(config.log_level)
+    tracing.configure("agentshare")
+    backend = start_backend(config, options)
+    for name, card in backend.facts.agents.items():
+        log.info("agent", extra={"event": "agent", "agent": name, "kind": card.kind,
+                                 "shares_prefill": card.shares_prefill, "reason": card.reason})
+    app = create_app(backend, config, owns_engine=True)
+    # uvicorn re-raises the SIGTERM it caught; exit through Python so the instances are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
+                    log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    finally:
+        backend.close()
