@@ -190,6 +190,8 @@ class VllmInstances:
 
     def start(self, *, timeout: float = 600.0) -> None:
         """Start every instance and wait until all answer ``/health``; then supervise them."""
+        log.info("store", extra={"event": "vllm_store", "root": str(self.store.root),
+                                 "capacity_bytes": self.store.capacity_bytes})
         for inst in self.instances.values():
             self._start(inst)
         deadline = time.monotonic() + timeout
