@@ -97,6 +97,11 @@ def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
 
 SLOW = doctest.register_optionflag("SLOW")  # `# doctest: +SLOW`: the docstring runs with -m slow
 
+try:  # the vllm engine (its connector subclasses vLLM's, tests/vllm start vLLM): only where vLLM is installed
+    import vllm  # noqa: F401
+except ImportError:
+    collect_ignore = ["server/vllm/connector.py", "tests/vllm"]
+
 DOCTEST_NAMES = {  # a name a doctest may read -> the fixture that gives it
     "model_dir": "tiny_model_dir",  # a model directory (the tiny model)
     "coder_dir": "coder_module_dir",  # a decode module (LoRA) of its fp32 family

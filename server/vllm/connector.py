@@ -135,6 +135,7 @@ class AgentshareConnector(KVConnectorBase_V1):
                              "layout": str(kv_cache_config.kv_cache_layout)})
         self._plans: dict[str, _Plan] = {}
         self._block_ids: dict[str, list[int]] = {}
+        self._counted: set[str] = set()
         self._kv: list[torch.Tensor] = []
 
     # -- scheduler side -----------------------------------------------------------------------
@@ -158,29 +159,40 @@ class AgentshareConnector(KVConnectorBase_V1):
         # a decode instance computes at least the last prompt position itself
         n = min(p["n"], max(len(tokens) - 1, 0))
         blocks = prefix_blocks(tokens[:n], family=self.family, salt=p.get("salt", ""), block_size=self.block_size)
-        c = self.store.counters
-        c.lookups += 1
         if self.modules.get(self._module_of(request)) != self.family:
-            c.refused_lookups += 1
-            self.store.publish()
+            self._count_once(request.request_id, refused=True)
             return 0, False
         if num_computed_tokens >= n:
-            self.store.publish()
+            self._count_once(request.request_id)
             return 0, False
         need = [b for b in blocks if b.end > num_computed_tokens]
         if not all(self.store.contains(b.key) for b in need):
-            self.store.publish()
+            self._count_once(request.request_id)
             return 0, False
-        c.hit_lookups += 1
-        c.hit_tokens += n - num_computed_tokens
-        self.store.publish()
         self._plans[request.request_id] = _Plan("load", n, tokens[:n], need)
         return n - num_computed_tokens, False
 
+    def _count_once(self, request_id: str, *, refused: bool = False, hit_tokens: int = 0) -> None:
+        """A request's lookup, counted once however often vLLM asks (it asks again for a request
+        it could not schedule), when its outcome is known."""
+        if request_id in self._counted:
+            return
+        self._counted.add(request_id)
+        c = self.store.counters
+        c.lookups += 1
+        c.refused_lookups += refused
+        if hit_tokens:
+            c.hit_lookups += 1
+            c.hit_tokens += hit_tokens
+        self.store.publish()
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
-        if plan is not None and plan.op == "load" and num_external_tokens == 0:
+        if plan is None or plan.op != "load":
+            return
+        if num_external_tokens == 0:
             del self._plans[request.request_id]  # vLLM chose not to load (e.g. a longer local hit)
+        self._count_once(request.request_id, hit_tokens=num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = AgentshareMetadata()
@@ -212,6 +224,7 @@ class AgentshareConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._plans.pop(request.request_id, None)
         self._block_ids.pop(request.request_id, None)
+        self._counted.discard(request.request_id)
         return False, None
 
     # -- worker side --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -113,7 +114,7 @@ class StoreConfig:
 
 
 def command(spec: InstanceSpec, *, port: int, dtype: str, store: StoreConfig, max_model_len: int,
-            python: str = sys.executable) -> list[str]:
+            kv_cache_bytes: int, python: str = sys.executable) -> list[str]:
     """The command line that starts ``spec`` (vLLM's own options)."""
     extra = {"store": str(store.root), "capacity_bytes": store.capacity_bytes, "family": store.family,
              "served": spec.served, "modules": dict(spec.modules)}
@@ -122,6 +123,7 @@ def command(spec: InstanceSpec, *, port: int, dtype: str, store: StoreConfig, ma
     args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model),
             "--served-model-name", spec.served, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-prefix-caching",
+            "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv),
             "--disable-uvicorn-access-log"]
     if not spec.compile:
@@ -157,18 +159,19 @@ class VllmInstances:
     """The running instances of one plan: started, waited for, restarted when they exit."""
 
     def __init__(self, plan: list[InstanceSpec], *, dtype: str, max_model_len: int, capacity_bytes: int,
-                 family: str, kv_cache_gib: int = 1, log_dir: Path | None = None,
+                 family: str, kv_cache_bytes: int = 1 << 30, log_dir: Path | None = None,
                  env: Mapping[str, str] | None = None) -> None:
         self.store = StoreConfig(shm_dir() / f"agentshare-kv-{uuid.uuid4().hex[:12]}", capacity_bytes, family)
-        self.log_dir = log_dir or Path(self.store.root.parent / f"{self.store.root.name}-logs")
+        self.log_dir = log_dir or Path(tempfile.gettempdir()) / f"{self.store.root.name}-logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})}
+        self.env = {**os.environ, **(env or {})}
+        self.env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         # the connector is imported by vLLM's processes: they must find this package
         root = str(Path(__file__).resolve().parents[2])
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH", "")) if p)
         self.instances = {
             s.name: Instance(s, port := free_port(), command(s, port=port, dtype=dtype, store=self.store,
-                                                             max_model_len=max_model_len))
+                                                             max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes))
             for s in plan
         }
         self._closed = threading.Event()

@@ -51,9 +51,8 @@ def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions()) ->
     for spec in plan:
         log.info("plan", extra={"event": "vllm_plan", "instance": spec.name, "agents": ",".join(spec.modules),
                                 "compile": spec.compile})
-    kv_gib = max(1, config.kv_cache_bytes >> 30)
     instances = VllmInstances(plan, dtype=dtype, max_model_len=max_context, capacity_bytes=options.store_bytes,
-                              family=family, kv_cache_gib=kv_gib)
+                              family=family, kv_cache_bytes=config.kv_cache_bytes)
     try:
         instances.start(timeout=options.start_timeout)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -1,7 +1,8 @@
 """Fixtures of the vllm suite: the default model in fp32, its decode modules, and one real
 ``agentshare serve --engine vllm`` (every instance eager: they start in about a minute).
 
-The suite runs where vLLM is installed (the ``vllm`` extra); elsewhere its tests are skipped.
+The suite runs where vLLM is installed (the ``vllm`` extra); elsewhere the root conftest leaves it
+uncollected.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ import torch
 
 from server.kv.family import family_digest
 from server.modules.manifest import LoraSpec, Manifest, ModuleKind
-from server.process import free_port
-
-pytest.importorskip("vllm")
+from server.process import die_with_parent, free_port
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KEYS = ("tenant-a-key", "tenant-b-key")
@@ -126,11 +125,13 @@ def vllm_server(base_dir: Path, modules: dict[str, Path], tmp_path_factory: pyte
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     args = [sys.executable, "-m", "server.cli", "serve", "--engine", "vllm", "--enforce-eager", "--dtype", "float32",
-            "--model", str(base_dir), "--port", str(port), "--kv-cache", "1GiB", "--kv-store", "1GiB",
+            "--model", str(base_dir), "--port", str(port), "--kv-cache", "256MiB", "--kv-store", "1GiB",
             *(a for name, path in modules.items() for a in ("--module", f"{name}={path}"))]
     env = {**os.environ, "AGENTSHARE_API_KEYS": " ".join(KEYS), "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache")}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # its own session (stopped as a group), and dies with this process however it ends
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 480
     try:
