@@ -62,8 +62,8 @@ def test_lora_modules_from_the_base_prefill_equal_the_torch_engine(vllm_server: 
     saved_before = vllm_server.store_counter("saved_blocks")
     external = 'vllm:external_prefix_cache_hits_total', 'instance="lora-0"'
     before = {"external": vllm_server.metric(*external),
-              "imported": vllm_server.metric("agentshare_prefix_tokens", 'role="decode"', 'source="imported"'),
-              "base": vllm_server.metric("agentshare_prefix_tokens", 'role="prefill"', 'source="computed"')}
+              "imported": vllm_server.metric("agentshare_prefix_tokens_total", 'role="decode"', 'source="imported"'),
+              "base": vllm_server.metric("agentshare_prefix_tokens_total", 'role="prefill"', 'source="computed"')}
 
     async def both() -> list[dict]:
         return await asyncio.gather(*(asyncio.to_thread(_chat, vllm_server, a, m) for a, m in messages.items()))
@@ -80,10 +80,10 @@ def test_lora_modules_from_the_base_prefill_equal_the_torch_engine(vllm_server: 
     # one base prefill for both agents: the prefix's blocks were saved once, its positions computed once
     block = 128
     assert vllm_server.store_counter("saved_blocks") - saved_before == -(-ip // block)
-    assert vllm_server.metric("agentshare_prefix_tokens", 'role="prefill"', 'source="computed"') - before["base"] == ip
+    assert vllm_server.metric("agentshare_prefix_tokens_total", 'role="prefill"', 'source="computed"') - before["base"] == ip
     # vLLM itself counts the prefix as external hits on the LoRA instance, and the API as imported
     assert vllm_server.metric(*external) - before["external"] == 2 * ip
-    assert vllm_server.metric("agentshare_prefix_tokens", 'role="decode"', 'source="imported"') - before["imported"] == 2 * ip
+    assert vllm_server.metric("agentshare_prefix_tokens_total", 'role="decode"', 'source="imported"') - before["imported"] == 2 * ip
 
 
 def test_the_shared_prefill_changes_what_a_module_computes(vllm_server: VllmServer, oracle) -> None:
