@@ -1,5 +1,5 @@
-"""Helpers for the server's child processes (cluster workers, launched routers): a free port to
-bind, and a child that dies with its parent.
+"""Helpers for the server's child processes (cluster workers, launched routers, vLLM instances):
+a free port to bind, a child that dies with its parent, and waiting until a child serves.
 
 The SDK keeps its own copies in :mod:`agentshare.local_server`: the SDK installs
 light and imports nothing from ``server``.
@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import time
+from collections.abc import Mapping
+
+import httpx
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,6 +36,24 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: atexit still stops it on a normal exit
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, *, deadline: float, what: str, hint: str = "",
+               headers: Mapping[str, str] | None = None, poll: float = 0.2) -> None:
+    """Wait until ``url`` answers 200 (a child's health or info endpoint), until ``deadline``
+    (``time.monotonic()``); raise, naming ``what`` and ``hint`` (say, its log), if the child exits
+    first or the deadline passes."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} while starting{hint}")
+        try:
+            if httpx.get(url, headers=headers, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} at {url} not ready in time{hint}")
+        time.sleep(poll)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters

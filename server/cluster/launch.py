@@ -30,14 +30,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
-import httpx
-
 from server import tracing
 from server.api.config import ServerConfig
 from server.cluster.auth import ClusterSecret
 from server.cluster.messages import Role
 from server.cluster.router import RouterConfig
-from server.process import die_with_parent, free_port
+from server.process import die_with_parent, free_port, wait_ready
 
 log = logging.getLogger("agentshare.cluster")
 
@@ -146,18 +144,9 @@ class LocalCluster:
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         for i, p in enumerate(self._procs):
-            while True:
-                if p.proc is not None and p.proc.poll() is not None:
-                    raise RuntimeError(f"worker {i} ({p.spec.role}) exited with {p.proc.returncode} while starting"
-                                       + (f"; see {self.log_dir}" if self.log_dir else ""))
-                try:
-                    if httpx.get(f"{p.url}/internal/info", headers=self.secret.headers(), timeout=2.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker {i} at {p.url} not ready after {timeout:g} s")
-                time.sleep(0.2)
+            assert p.proc is not None
+            wait_ready(p.proc, f"{p.url}/internal/info", deadline=deadline, what=f"worker {i} ({p.spec.role})",
+                       hint=f"; see {self.log_dir}" if self.log_dir else "", headers=self.secret.headers())
 
     def kill(self, index: int) -> None:
         """Kill worker ``index`` hard (SIGKILL), as a crash would."""

@@ -35,6 +35,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from server import positions
 from server.backend import (
     AgentCard,
     CacheReport,
@@ -47,7 +48,7 @@ from server.engine.errors import InvalidRequest, PromptTooLong, Unavailable, Unk
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Timeline, TokenEvent, Usage
 from server.modules.registry import identify
-from server.prompt import Placement, Prompt
+from server.prompt import Prompt
 from server.vllm.launch import BASE, VllmInstances
 from server.vllm.store import KVStore, StoreBlock, prefix_blocks
 
@@ -144,10 +145,11 @@ class VllmBackend:
             raise UnknownModule(module, list(self.routes))
         return r
 
-    def _ip(self, route: Route, prompt: Prompt) -> int:
-        if route.card.is_base or not route.card.shares_prefill:
-            return 0
-        return prompt.invocation_point(Placement(route.card.placement))
+    @staticmethod
+    def _shared_ip(route: Route, prompt: Prompt) -> int:
+        """The IP of a request whose prefix the base prefills for another instance; 0 for the
+        base agent (its own instance computes everything) and for a private prefill."""
+        return 0 if route.card.is_base else positions.invocation_point(prompt, route.card)
 
     async def submit(self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *,
                      salt: str = "") -> EventSource:
@@ -188,7 +190,7 @@ class VllmBackend:
                    sampling: dict[str, Any], salt: str) -> None:
         start = time.monotonic()
         tokens = list(prompt.token_ids)
-        ip = self._ip(route, prompt)
+        ip = self._shared_ip(route, prompt)
         pin = f"req-{_salt_tag(request_id)}"
         shared = ip > 0
         self._running += 1
@@ -334,7 +336,7 @@ class VllmBackend:
 
     async def explain(self, module: str, prompt: Prompt, *, salt: str = "") -> CacheReport:
         route = self._route(module)
-        ip = self._ip(route, prompt)
+        ip = self._shared_ip(route, prompt)
         blocks = [b for b in self._blocks(list(prompt.token_ids[:ip]), salt) if b.end - b.start == self.block_size]
         hit = 0
         for b in blocks:

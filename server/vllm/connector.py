@@ -41,7 +41,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -255,8 +254,9 @@ class AgentshareConnector(KVConnectorBase_V1):
                     raise RuntimeError(f"agentshare connector: store block {b.key.hex()[:16]} of request "
                                        f"{t.request_id} vanished or does not match")
                 kb = self._kernel_blocks(t.block_ids, b)
+                src = torch.from_numpy(raw.copy()).view(self._kv[0].dtype).to(self._kv[0].device)  # once a block
                 for layer, kv in enumerate(self._kv):
-                    kv[kb] = torch.from_numpy(np.array(raw[layer])).view(kv.dtype).to(kv.device)
+                    kv[kb] = src[layer]
         self.store.publish()
 
     def wait_for_layer_load(self, layer_name: str) -> None:

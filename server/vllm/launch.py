@@ -45,7 +45,7 @@ import httpx
 from server.cluster.shm import shm_dir
 from server.modules.manifest import Manifest, ModuleKind
 from server.modules.registry import identify
-from server.process import die_with_parent, free_port
+from server.process import die_with_parent, free_port, wait_ready
 
 log = logging.getLogger("agentshare.vllm")
 
@@ -204,19 +204,10 @@ class VllmInstances:
         self._supervisor.start()
 
     def _wait_ready(self, inst: Instance, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            assert inst.proc is not None
-            if inst.proc.poll() is not None:
-                raise RuntimeError(f"vLLM instance {inst.spec.name} exited with {inst.proc.returncode} while "
-                                   f"starting; see {self.log_dir / (inst.spec.name + '.log')}")
-            try:
-                if httpx.get(inst.url + "/health", timeout=2).status_code == 200:
-                    inst.ready = True
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"vLLM instance {inst.spec.name} did not become ready; see {self.log_dir}")
+        assert inst.proc is not None
+        wait_ready(inst.proc, inst.url + "/health", deadline=deadline, what=f"vLLM instance {inst.spec.name}",
+                   hint=f"; see {self.log_dir / (inst.spec.name + '.log')}", poll=1.0)
+        inst.ready = True
 
     def _supervise(self) -> None:
         backoff: dict[str, float] = {}

@@ -48,7 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from server.kv.keys import ROOT_KEY, Layout, Namespace, chain_key
+from server import positions
+from server.kv.keys import ROOT_KEY, Layout, chain_key
 
 log = logging.getLogger("agentshare.vllm.store")
 
@@ -76,7 +77,7 @@ def prefix_blocks(tokens: list[int], *, family: str, salt: str, block_size: int)
     >>> bs[1].parent == bs[0].key
     True
     """
-    ns = Namespace.family(family, salt=salt)
+    ns = positions.layout(positions.BASE, len(tokens), family=family, salt=salt).family
     keys = Layout(ns).block_keys(tokens, block_size=block_size)
     out, parent = [], ROOT_KEY
     for i, key in enumerate(keys):

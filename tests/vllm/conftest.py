@@ -24,7 +24,7 @@ import torch
 
 from server.kv.family import family_digest
 from server.modules.manifest import LoraSpec, Manifest, ModuleKind
-from server.process import die_with_parent, free_port
+from server.process import die_with_parent, free_port, wait_ready
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KEYS = ("tenant-a-key", "tenant-b-key")
@@ -139,19 +139,9 @@ def vllm_server(base_dir: Path, modules: dict[str, Path], tmp_path_factory: pyte
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 480
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"agentshare serve --engine vllm exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the vllm server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+        wait_ready(proc, url + "/health", deadline=time.monotonic() + 480, what="agentshare serve --engine vllm",
+                   hint=f"; see {log}", poll=1.0)
         yield VllmServer(url, proc, log)
     finally:
         proc.send_signal(signal.SIGTERM)
