@@ -128,6 +128,9 @@ def serve(
     kv_store: str = typer.Option("2GiB", help="with --engine vllm: shared-memory store of prefix KV"),
     lora_instances: int = typer.Option(1, help="with --engine vllm: vLLM instances the LoRA modules are dealt to"),
     enforce_eager: bool = typer.Option(False, help="with --engine vllm: compile nothing (starts faster, runs slower)"),
+    node: list[str] | None = typer.Option(None, help="with --engine vllm: URL of an `agentshare vllm-node` on another "
+                                          "host whose agents this server also serves (repeat)"),
+    cluster_secret_file: Path | None = typer.Option(None, help="with --node: " + _SECRET_HELP),
 ) -> None:
     """Serve the OpenAI-compatible and native API; every agent of the family shares prefill."""
     _otel(otel)
@@ -150,8 +153,11 @@ def serve(
         from server.vllm.serve import VllmOptions, serve_vllm
 
         serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
-                                       enforce_eager=enforce_eager))
+                                       enforce_eager=enforce_eager),
+                   nodes=node or (), secret=_secret(cluster_secret_file) if node else None)
         return
+    if node:
+        raise typer.BadParameter("--node needs --engine vllm")
     if not disaggregated:
         run_server(config)
         return
@@ -194,6 +200,39 @@ def worker(
     serve_worker(config, role=role, chunk_blocks=chunk_blocks,  # type: ignore[arg-type]
                  cpus=[int(c) for c in cpus.split(",")] if cpus else (), join=join, kv_port=kv_port,
                  advertise=advertise, secret=_secret(cluster_secret_file))
+
+
+@app.command("vllm-node")
+def vllm_node(
+    module: Annotated[list[str], typer.Option(help="agent as NAME=PATH to a decode module (repeat)")],
+    host: str = typer.Option("127.0.0.1", help="address the API and the KV receiver listen on (0.0.0.0 only on a "
+                             "private network: docs/vllm.md)"),
+    port: int = typer.Option(8200),
+    kv_port: int = typer.Option(0, help="port of the KV receiver (0: any)"),
+    advertise: str | None = typer.Option(None, help="host name the frontend reaches the KV receiver at "
+                                         "(default: --host)"),
+    model: Path | None = typer.Option(None, envvar="AGENTSHARE_MODEL",
+                                      help="base model directory (default: SmolLM2-135M-Instruct); the frontend's"),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16; the frontend's"),
+    kv_cache: str = typer.Option("1GiB", help="each instance's vLLM KV cache, e.g. 512MiB"),
+    kv_store: str = typer.Option("2GiB", help="shared-memory store of prefix KV"),
+    lora_instances: int = typer.Option(1, help="vLLM instances the LoRA modules are dealt to"),
+    enforce_eager: bool = typer.Option(False, help="compile nothing (starts faster, runs slower)"),
+    cluster_secret_file: Path | None = typer.Option(None, help=_SECRET_HELP),
+    log_level: str = typer.Option("info"),
+) -> None:
+    """Serve agents' vLLM instances on this host for a frontend on another (`serve --engine vllm --node URL`)."""
+    from server.api.serve import config_from_options, parse_bytes
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise typer.BadParameter("vllm-node needs vLLM: pip install 'agentshare[vllm]' (CPUs) or vllm (GPUs)") from None
+    from server.vllm.serve import VllmOptions, serve_node
+
+    serve_node(config_from_options(locals()), VllmOptions(store_bytes=parse_bytes(kv_store),
+                                                          lora_instances=lora_instances, enforce_eager=enforce_eager),
+               secret=_secret(cluster_secret_file), kv_port=kv_port, advertise=advertise)
 
 
 @app.command()

@@ -44,13 +44,15 @@ from server.backend import (
     EventSource,
     HealthReport,
 )
+from server.cluster.errors import TransferError
 from server.engine.errors import InvalidRequest, PromptTooLong, Unavailable, UnknownModule
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Timeline, TokenEvent, Usage
 from server.modules.registry import identify
 from server.prompt import Prompt
 from server.vllm.launch import BASE, VllmInstances
-from server.vllm.store import KVStore, StoreBlock, prefix_blocks
+from server.vllm.node import NodeClient
+from server.vllm.store import KVStore, StoreBlock, open_store, prefix_blocks
 
 log = logging.getLogger("agentshare.vllm")
 
@@ -69,6 +71,7 @@ class Route:
     instance: str
     model: str
     card: AgentCard
+    node: NodeClient | None = None  # served by another host's node (its instance named there)
 
 
 class VllmStream:
@@ -100,7 +103,8 @@ class VllmBackend:
     """Serve the API from the vLLM instances of :class:`VllmInstances` (already started)."""
 
     def __init__(self, instances: VllmInstances, *, tokenizer: Any, family: str, modules: dict[str, Path],
-                 max_context: int, base_name: str = BASE, pin_ttl: float = 300.0) -> None:
+                 max_context: int, base_name: str = BASE, pin_ttl: float = 300.0,
+                 nodes: SequenceOf[NodeClient] = ()) -> None:
         self.instances = instances
         self.family = family
         self.base_name = base_name
@@ -116,6 +120,9 @@ class VllmBackend:
                 self.routes[name] = Route(spec.spec.name, name, card)
         self.block_size = 0
         self.store = self._open_store()
+        self.nodes = list(nodes)
+        for node in self.nodes:
+            self._add_node(node)
         self.facts = EngineFacts(family, {n: r.card for n, r in self.routes.items()}, tokenizer,
                                  self.block_size, max_context)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
@@ -127,15 +134,27 @@ class VllmBackend:
         self._running = 0
         self.collector = _VllmCollector(self)
 
+    def _add_node(self, node: NodeClient) -> None:
+        f = node.facts
+        if f.family != self.family:
+            raise ValueError(f"node {node.url} serves family {f.family[:12]}, this server {self.family[:12]}: give "
+                             "both the same base model and --dtype")
+        if f.fmt != self.store.fmt or f.block_size != self.block_size:
+            raise ValueError(f"node {node.url} lays KV out as {f.fmt} (block size {f.block_size}), this server as "
+                             f"{self.store.fmt} (block size {self.block_size}): run the same vLLM build and "
+                             "options on every host")
+        for name, card in f.agents.items():
+            if name in self.routes:
+                raise ValueError(f"agent {name!r} is served both here and by node {node.url}: name it once")
+            fields = {k: v for k, v in card.items() if k != "instance"}
+            self.routes[name] = Route(f"{node.name}/{card['instance']}", name, AgentCard(**fields), node)
+
     def _open_store(self) -> KVStore:
-        root = self.instances.store.root
-        formats = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
-        if len(formats) != 1:
-            raise RuntimeError(f"the vLLM instances should share one KV format under {root}, found {formats}: "
-                               "they disagree on the KV layout, dtype or block size (see their logs)")
-        cfg = json.loads((root / formats[0] / "config.json").read_text())
-        self.block_size = int(cfg["block_size"])
-        return KVStore(root, fmt=formats[0], capacity_bytes=self.instances.store.capacity_bytes, role="frontend")
+        store, facts = open_store(self.instances.store.root, capacity_bytes=self.instances.store.capacity_bytes,
+                                  role="frontend")
+        self.block_size = int(facts["block_size"])  # type: ignore[call-overload]
+        self.kv_dtype = str(facts.get("dtype", ""))
+        return store
 
     # -- the Backend interface ----------------------------------------------------------------
 
@@ -192,16 +211,22 @@ class VllmBackend:
         tokens = list(prompt.token_ids)
         ip = self._shared_ip(route, prompt)
         pin = f"req-{_salt_tag(request_id)}"
+        remote_pin: str | None = None  # the node drops it when the request ends there
         shared = ip > 0
         self._running += 1
         try:
             if shared:
-                keys = [b.key for b in self._blocks(tokens[:ip], salt)]
+                blocks = self._blocks(tokens[:ip], salt)
+                keys = [b.key for b in blocks]
                 self.store.pin(pin, keys, ttl=self.pin_ttl)
                 try:
                     await self._prefill(tokens[:ip], salt, keys)
-                except (httpx.HTTPError, Unavailable) as exc:
-                    log.warning("base prefill failed; private prefill", extra={
+                    if route.node is not None:  # into the node's store, pinned there until the request ends
+                        await route.node.send_prefix(self._http, self.store, blocks, tokens[:ip], pin=pin,
+                                                     ttl=self.pin_ttl)
+                        remote_pin = pin
+                except (httpx.HTTPError, Unavailable, TransferError, LookupError) as exc:
+                    log.warning("shared prefill failed; private prefill", extra={
                         "event": "private_fallback", "request_id": request_id, "error": str(exc) or type(exc).__name__})
                     self._counts["private_fallbacks"] += 1
                     shared = False
@@ -214,7 +239,7 @@ class VllmBackend:
                 body["cache_salt"] = _salt_tag(salt)
             else:
                 body["cache_salt"] = f"{_salt_tag(salt)}.private"
-            await self._stream(stream, request_id, route, body, start, imported=ip if shared else 0)
+            await self._stream(stream, request_id, route, body, start, imported=ip if shared else 0, pin=remote_pin)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the request fails alone; the server keeps serving
@@ -263,13 +288,16 @@ class VllmBackend:
             await asyncio.shield(fut)
 
     async def _stream(self, stream: VllmStream, request_id: str, route: Route, body: dict[str, Any],
-                      start: float, *, imported: int) -> None:
-        url = self.instances[route.instance].url + "/v1/completions"
+                      start: float, *, imported: int, pin: str | None = None) -> None:
+        if route.node is None:
+            url, headers = self.instances[route.instance].url + "/v1/completions", None
+        else:
+            url, headers = route.node.url + "/internal/vllm/completions", route.node.headers(pin)
         first: float | None = None
         count = 0
         finish: FinishReason | None = None
         usage: dict[str, Any] = {}
-        async with self._http.stream("POST", url, json=body) as resp:
+        async with self._http.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:500]
                 if resp.status_code == 400:
@@ -350,6 +378,10 @@ class VllmBackend:
         c = self._counts
         s = self.store.counters_total()
         blocks, held = await asyncio.to_thread(self.store.usage)
+        for node in self.nodes:  # the blocks its instances loaded count as hits; its store's memory is not ours
+            stats = await node.stats(self._http)
+            if stats is not None:
+                s.loaded_blocks += int(stats["store"]["loaded_blocks"])
         cap = self.instances.store.capacity_bytes
         per_block = held // blocks if blocks else 0
         return EngineSnapshot(
@@ -365,9 +397,12 @@ class VllmBackend:
 
     def health(self) -> HealthReport:
         down = self.instances.down()
-        return HealthReport(0, self._running, tuple(f"vllm instance {n} is not serving" for n in down))
+        issues = [f"vllm instance {n} is not serving" for n in down] + [i for n in self.nodes for i in n.issues()]
+        return HealthReport(0, self._running, tuple(issues))
 
     def close(self) -> None:
+        for node in self.nodes:
+            node.close()
         self.instances.close()
 
 
@@ -403,6 +438,13 @@ class _VllmCollector:
                                "because the base instance could not prefill")
         fb.add_metric([], b._counts["private_fallbacks"])
         yield fb
+        if b.nodes:
+            push = GaugeMetricFamily("agentshare_vllm_node_push", "prefix KV sent to vllm nodes on other hosts",
+                                     labels=["node", "counter"])
+            for node in b.nodes:
+                for counter, value in node.pushed.items():
+                    push.add_metric([node.name, counter], value)
+            yield push
         for name, inst in b.instances.instances.items():
             if not inst.ready:
                 continue

@@ -131,7 +131,8 @@ class AgentshareConnector(KVConnectorBase_V1):
         self.store = KVStore(root, fmt=kv_format(vllm_config, kv_cache_config, self.family),
                              capacity_bytes=capacity, role=role.name.lower())
         self.store.describe({"block_size": self.block_size, "family": self.family,
-                             "layout": str(kv_cache_config.kv_cache_layout)})
+                             "layout": str(kv_cache_config.kv_cache_layout),
+                             "dtype": str(getattr(kv_cache_config.kv_cache_groups[0].kv_cache_spec, "dtype", ""))})
         self._plans: dict[str, _Plan] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._counted: set[str] = set()

@@ -73,9 +73,10 @@ def _lora_rank(path: Path) -> int:
 
 def plan_instances(
     model_dir: Path, modules: Mapping[str, Path], *, family: str, dtype: str, lora_instances: int = 1,
-    base_name: str = BASE, enforce_eager: bool = False,
+    base_name: str = BASE, enforce_eager: bool = False, with_base: bool = True,
 ) -> list[InstanceSpec]:
-    """The instances that serve ``modules`` beside the base (see the module docstring)."""
+    """The instances that serve ``modules`` beside the base (see the module docstring); without
+    the base instance on a node (:mod:`server.vllm.node`), whose prefixes another host computes."""
     if lora_instances < 1:
         raise ValueError("lora_instances must be at least 1")
     loras: list[tuple[str, Path, str | None]] = []
@@ -85,7 +86,8 @@ def plan_instances(
         manifest = Manifest.read(Path(path))
         named = manifest.family if manifest is not None else None
         (loras if ident.kind == ModuleKind.LORA else full).append((name, Path(path), named))
-    plan = [InstanceSpec(BASE, model_dir, base_name, modules={base_name: family}, compile=not enforce_eager)]
+    plan = [InstanceSpec(BASE, model_dir, base_name, modules={base_name: family}, compile=not enforce_eager)
+            ] if with_base else []
     groups = [loras[i::lora_instances] for i in range(lora_instances)]
     for i, group in enumerate(g for g in groups if g):
         plan.append(InstanceSpec(

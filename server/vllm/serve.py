@@ -1,4 +1,5 @@
-"""``agentshare serve --engine vllm``: start the vLLM instances, then serve the API over them.
+"""``agentshare serve --engine vllm``: start the vLLM instances, then serve the API over them; and
+``agentshare vllm-node``: start a node's instances (:mod:`server.vllm.node`), then serve its API.
 
 The API process loads no weights: it renders prompts (the model's tokenizer and chat template),
 computes the family digest, and routes (:class:`~server.vllm.backend.VllmBackend`).
@@ -10,6 +11,7 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +19,9 @@ from typing import TYPE_CHECKING
 from server.api.config import ServerConfig
 
 if TYPE_CHECKING:
+    from server.cluster.auth import ClusterSecret
     from server.vllm.backend import VllmBackend
+    from server.vllm.node import Node
 
 log = logging.getLogger("agentshare.vllm")
 
@@ -32,8 +36,29 @@ class VllmOptions:
     start_timeout: float = 900.0
 
 
-def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions()) -> VllmBackend:
-    """Plan and start the instances; the :class:`VllmBackend` that serves from them."""
+def context_limit(model_dir: Path, dtype: str, kv_cache_bytes: int) -> int:
+    """The longest context the instances serve: the model's, capped at what ``kv_cache_bytes`` of
+    KV hold (vLLM refuses to start when one request of the model's full length does not fit its
+    KV space; the API refuses longer prompts with a 413)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    max_context = int(cfg.get("max_position_embeddings", 4096))
+    heads = int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 1)))
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    per_token = 2 * int(cfg["num_hidden_layers"]) * heads * head_dim * (4 if dtype == "float32" else 2)
+    fits = kv_cache_bytes // per_token // 256 * 256
+    if fits < 256:
+        raise ValueError(f"--kv-cache {kv_cache_bytes} bytes holds {fits} tokens of this model's KV "
+                         f"({per_token} bytes a token); give it more")
+    if fits < max_context:
+        log.warning("context capped", extra={"event": "vllm_context", "max_context": fits,
+                                             "model_max": max_context, "kv_cache_bytes": kv_cache_bytes})
+    return min(fits, max_context)
+
+
+def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions(), *, nodes: Sequence[str] = (),
+                  secret: ClusterSecret | None = None) -> VllmBackend:
+    """Plan and start the instances; the :class:`VllmBackend` that serves from them, and from the
+    agents of ``nodes`` (``agentshare vllm-node`` URLs, reached with ``secret``)."""
     from transformers import AutoTokenizer
 
     from server.engine.numerics import dtype_name, resolve_dtype
@@ -41,25 +66,12 @@ def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions()) ->
     from server.models.loader import default_model_dir
     from server.vllm.backend import VllmBackend
     from server.vllm.launch import VllmInstances, plan_instances
+    from server.vllm.node import NodeClient
 
     model_dir = Path(config.model_dir) if config.model_dir else default_model_dir()
     dtype = dtype_name(resolve_dtype(config.dtype))
     family = family_digest(model_dir, kv_dtype=dtype)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    max_context = int(cfg.get("max_position_embeddings", 4096))
-    # vLLM refuses to start when one request of the model's full length does not fit its KV space:
-    # cap the context at what --kv-cache holds (the API refuses longer prompts with a 413)
-    heads = int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 1)))
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    per_token = 2 * int(cfg["num_hidden_layers"]) * heads * head_dim * (4 if dtype == "float32" else 2)
-    fits = config.kv_cache_bytes // per_token // 256 * 256
-    if fits < 256:
-        raise ValueError(f"--kv-cache {config.kv_cache_bytes} bytes holds {fits} tokens of this model's KV "
-                         f"({per_token} bytes a token); give it more")
-    if fits < max_context:
-        log.warning("context capped", extra={"event": "vllm_context", "max_context": fits,
-                                             "model_max": max_context, "kv_cache_bytes": config.kv_cache_bytes})
-        max_context = fits
+    max_context = context_limit(model_dir, dtype, config.kv_cache_bytes)
     plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
                           lora_instances=options.lora_instances, enforce_eager=options.enforce_eager)
     for spec in plan:
@@ -67,17 +79,77 @@ def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions()) ->
                                 "compile": spec.compile})
     instances = VllmInstances(plan, dtype=dtype, max_model_len=max_context, capacity_bytes=options.store_bytes,
                               family=family, kv_cache_bytes=config.kv_cache_bytes)
+    clients: list[NodeClient] = []
     try:
         instances.start(timeout=options.start_timeout)
+        if nodes and secret is None:
+            raise ValueError("--node needs the cluster secret the nodes were given: --cluster-secret-file PATH")
+        for i, url in enumerate(nodes):
+            assert secret is not None
+            clients.append(NodeClient.connect(url, secret, name=f"node-{i}", timeout=options.start_timeout))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return VllmBackend(instances, tokenizer=tokenizer, family=family, modules=dict(config.modules),
-                           max_context=max_context, base_name=config.base_name)
+                           max_context=max_context, base_name=config.base_name, nodes=clients)
+    except BaseException:
+        for c in clients:
+            c.close()
+        instances.close()
+        raise
+
+
+def start_node(config: ServerConfig, options: VllmOptions, *, secret: ClusterSecret, kv_host: str,
+               kv_port: int = 0, advertise: str | None = None) -> Node:
+    """Plan and start a node's instances (its agents, no base) and open their store."""
+    from server.engine.numerics import dtype_name, resolve_dtype
+    from server.kv.family import family_digest
+    from server.models.loader import default_model_dir
+    from server.vllm.launch import VllmInstances, plan_instances
+    from server.vllm.store import open_store
+
+    if not config.modules:
+        raise ValueError("a vllm node serves agents: give it at least one --module NAME=PATH")
+    model_dir = Path(config.model_dir) if config.model_dir else default_model_dir()
+    dtype = dtype_name(resolve_dtype(config.dtype))
+    family = family_digest(model_dir, kv_dtype=dtype)
+    plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
+                          lora_instances=options.lora_instances, enforce_eager=options.enforce_eager,
+                          with_base=False)
+    for spec in plan:
+        log.info("plan", extra={"event": "vllm_plan", "instance": spec.name, "agents": ",".join(spec.modules),
+                                "compile": spec.compile})
+    instances = VllmInstances(plan, dtype=dtype, max_model_len=context_limit(model_dir, dtype, config.kv_cache_bytes),
+                              capacity_bytes=options.store_bytes, family=family, kv_cache_bytes=config.kv_cache_bytes)
+    try:
+        instances.start(timeout=options.start_timeout)
+        store, facts = open_store(instances.store.root, capacity_bytes=options.store_bytes, role="node")
+        return Node(instances, store, facts, family=family, modules=dict(config.modules), secret=secret,
+                    kv_host=kv_host, kv_port=kv_port, advertise=advertise)
     except BaseException:
         instances.close()
         raise
 
 
-def serve_vllm(config: ServerConfig, options: VllmOptions = VllmOptions()) -> None:
+def serve_node(config: ServerConfig, options: VllmOptions, *, secret: ClusterSecret, kv_port: int = 0,
+               advertise: str | None = None) -> None:
+    """``agentshare vllm-node``: serve a node's API on ``config.host:config.port`` (blocks)."""
+    import uvicorn
+
+    from server.api.logs import configure_logging
+    from server.vllm.node import create_node_app
+
+    configure_logging(config.log_level)
+    node = start_node(config, options, secret=secret, kv_host=config.host, kv_port=kv_port, advertise=advertise)
+    app = create_node_app(node)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
+                    log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
+    finally:
+        node.close()
+
+
+def serve_vllm(config: ServerConfig, options: VllmOptions = VllmOptions(), *, nodes: Sequence[str] = (),
+               secret: ClusterSecret | None = None) -> None:
     """Serve until interrupted (blocks)."""
     import uvicorn
 
@@ -87,7 +159,7 @@ def serve_vllm(config: ServerConfig, options: VllmOptions = VllmOptions()) -> No
 
     configure_logging(config.log_level)
     tracing.configure("agentshare")
-    backend = start_backend(config, options)
+    backend = start_backend(config, options, nodes=nodes, secret=secret)
     for name, card in backend.facts.agents.items():
         log.info("agent", extra={"event": "agent", "agent": name, "kind": card.kind,
                                  "shares_prefill": card.shares_prefill, "reason": card.reason})

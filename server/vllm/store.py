@@ -116,6 +116,7 @@ class KVStore:
     def __init__(self, root: str | os.PathLike[str], *, fmt: str, capacity_bytes: int, role: str) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.fmt = fmt
         self.dir = Path(root) / fmt
         self.blocks = self.dir / "blocks"
         self.pins = self.dir / "pins"
@@ -298,3 +299,15 @@ class KVStore:
             except (OSError, ValueError, TypeError):
                 continue
         return total
+
+
+def open_store(root: Path, *, capacity_bytes: int, role: str) -> tuple[KVStore, dict[str, object]]:
+    """The store the instances under ``root`` wrote (once they have started), and what its blocks
+    are (``describe``: block size, family, layout, dtype). Raises if they wrote none or several
+    formats: instances of one host must agree on the KV layout."""
+    formats = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
+    if len(formats) != 1:
+        raise RuntimeError(f"the vLLM instances should share one KV format under {root}, found {formats}: "
+                           "they disagree on the KV layout, dtype or block size (see their logs)")
+    facts = json.loads((root / formats[0] / "config.json").read_text())
+    return KVStore(root, fmt=formats[0], capacity_bytes=capacity_bytes, role=role), facts
