@@ -452,10 +452,22 @@ class _VllmCollector:
                 text = httpx.get(inst.url + "/metrics", timeout=2).text
             except httpx.HTTPError:
                 continue
-            for fam in text_string_to_metric_families(text):
-                if not fam.name.startswith("vllm"):
-                    continue
-                out = Metric(fam.name, fam.documentation, fam.type)
-                for sample in fam.samples:
-                    out.add_sample(sample.name, {**sample.labels, "instance": name}, sample.value)
-                yield out
+            yield from _labelled(text, name)
+        for node in b.nodes:
+            try:
+                texts = httpx.get(node.url + "/internal/vllm/metrics", headers=node.headers(), timeout=5).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            for name, text in texts.items():
+                yield from _labelled(text, f"{node.name}/{name}")
+
+
+def _labelled(text: str, instance: str) -> Iterable[Metric]:
+    """An instance's vLLM metrics (Prometheus text), each sample labelled ``instance``."""
+    for fam in text_string_to_metric_families(text):
+        if not fam.name.startswith("vllm"):
+            continue
+        out = Metric(fam.name, fam.documentation, fam.type)
+        for sample in fam.samples:
+            out.add_sample(sample.name, {**sample.labels, "instance": instance}, sample.value)
+        yield out

@@ -154,7 +154,8 @@ class Node:
     def stats(self) -> dict[str, Any]:
         blocks, held = self.store.usage()
         links = {k: asdict(v) for k, v in self.receiver.stats.items()}
-        return {"store": asdict(self.store.counters_total()), "blocks_held": blocks, "bytes_held": held,
+        pins = sum(1 for p in self.store.pins.iterdir() if not p.name.startswith("."))
+        return {"store": asdict(self.store.counters_total()), "blocks_held": blocks, "bytes_held": held, "pins": pins,
                 "received_blocks": self.handler.received_blocks, "received_bytes": self.handler.received_bytes,
                 "failed_transfers": self.handler.failed_transfers, "refused_connections": self.receiver.refused,
                 "links": links, "down": self.instances.down()}

@@ -7,6 +7,7 @@ uncollected.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,27 +128,79 @@ class VllmServer:
         raise AssertionError(f"no store counter {name}")
 
 
-@pytest.fixture(scope="session")
-def vllm_server(base_dir: Path, modules: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
-    args = [sys.executable, "-m", "server.cli", "serve", "--engine", "vllm", "--enforce-eager", "--dtype", "float32",
-            "--model", str(base_dir), "--port", str(port), "--kv-cache", "512MiB", "--kv-store", "1GiB",
-            *(a for name, path in modules.items() for a in ("--module", f"{name}={path}"))]
-    env = {**os.environ, "AGENTSHARE_API_KEYS": " ".join(KEYS), "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache")}
+def launch(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``python -m server.cli ARGS`` in a session of its own (stopped as a group), dying with this
+    process however it ends, logging to ``log``."""
     with open(log, "wb") as out:
-        # its own session (stopped as a group), and dies with this process however it ends
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=die_with_parent)
+        return subprocess.Popen([sys.executable, "-m", "server.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True, preexec_fn=die_with_parent)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def serve_vllm(args: list[str], log: Path, *, what: str = "agentshare serve --engine vllm") -> Iterator[VllmServer]:
+    """A real ``agentshare serve --engine vllm`` (eager, fp32) with ``args`` added, once it serves."""
+    port = free_port()
+    env = {**os.environ, "AGENTSHARE_API_KEYS": " ".join(KEYS), "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache")}
+    proc = launch(["serve", "--engine", "vllm", "--enforce-eager", "--dtype", "float32", "--port", str(port),
+                   "--kv-cache", "512MiB", "--kv-store", "1GiB", *args], log, env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(proc, url + "/health", deadline=time.monotonic() + 480, what="agentshare serve --engine vllm",
-                   hint=f"; see {log}", poll=1.0)
+        wait_ready(proc, url + "/health", deadline=time.monotonic() + 480, what=what, hint=f"; see {log}", poll=1.0)
         yield VllmServer(url, proc, log)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(base_dir: Path, modules: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """Every module on one host (module scope: stopped before the next module starts its own)."""
+    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
+    yield from serve_vllm(["--model", str(base_dir),
+                           *(a for name, path in modules.items() for a in ("--module", f"{name}={path}"))], log)
+
+
+N_TOKENS = 32
+
+
+def messages_for(tag: str, instruction: str, chars: int = 2500) -> list[dict[str, str]]:
+    """A fresh shared context (``tag`` makes it unique), then the agent's instruction."""
+    return [{"role": "system", "content": f"You are a helpful team ({tag})."},
+            {"role": "user", "content": "Read this code:\n" + inspect.getsource(os)[:chars]},
+            {"role": "user", "content": instruction}]
+
+
+@pytest.fixture(scope="module")
+def oracle(base_dir: Path, modules: dict[str, Path]):
+    """The torch engine in fp32 with the same modules: the project's reference."""
+    from server.engine.build import load_engine
+    from server.engine.sampling import SamplingParams
+    from server.prompt import Placement, chat_prompt
+
+    core = load_engine(base_dir, modules=modules, dtype="float32")
+
+    def generate(agent: str, messages: list[dict[str, str]]) -> tuple[str, int]:
+        prompt = chat_prompt(core.tokenizer, messages[:-1], messages[-1:])
+        rid = uuid.uuid4().hex
+        core.add_request(rid, agent, prompt, SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True))
+        text = []
+        while core.has_work:
+            text += [e.text for e in core.step() if e.request_id == rid]
+        return "".join(text), prompt.invocation_point(Placement.TURN)
+
+    return generate
+
+
+def chat(server: VllmServer, agent: str, messages: list[dict[str, str]], key: str = KEYS[0]) -> dict:
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
+                   json={"model": agent, "messages": messages, "max_tokens": N_TOKENS, "temperature": 0,
+                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()

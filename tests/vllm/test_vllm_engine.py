@@ -4,61 +4,22 @@ in fp32), agentshare's KV connector, and the torch engine as the oracle."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import signal
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
-from server.engine.build import load_engine
-from server.engine.sampling import SamplingParams
 from server.prompt import Placement, chat_prompt
-from tests.vllm.conftest import KEYS, VllmServer
+from tests.vllm.conftest import KEYS, VllmServer, chat, messages_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-N_TOKENS = 32
-
-
-def _messages(tag: str, instruction: str, chars: int = 2500) -> list[dict[str, str]]:
-    """A fresh shared context (``tag`` makes it unique), then the agent's instruction."""
-    return [{"role": "system", "content": f"You are a helpful team ({tag})."},
-            {"role": "user", "content": "Read this code:\n" + inspect.getsource(os)[:chars]},
-            {"role": "user", "content": instruction}]
-
-
-@pytest.fixture(scope="module")
-def oracle(base_dir: Path, modules: dict[str, Path]):
-    """The torch engine in fp32 with the same modules: the project's reference."""
-    core = load_engine(base_dir, modules=modules, dtype="float32")
-
-    def generate(agent: str, messages: list[dict[str, str]]) -> tuple[str, int]:
-        prompt = chat_prompt(core.tokenizer, messages[:-1], messages[-1:])
-        rid = uuid.uuid4().hex
-        core.add_request(rid, agent, prompt, SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True))
-        text = []
-        while core.has_work:
-            text += [e.text for e in core.step() if e.request_id == rid]
-        return "".join(text), prompt.invocation_point(Placement.TURN)
-
-    return generate
-
-
-def _chat(server: VllmServer, agent: str, messages: list[dict[str, str]], key: str = KEYS[0]) -> dict:
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=300,
-                   json={"model": agent, "messages": messages, "max_tokens": N_TOKENS, "temperature": 0,
-                         "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_lora_modules_from_the_base_prefill_equal_the_torch_engine(vllm_server: VllmServer, oracle) -> None:
-    messages = {"coder": _messages("lora", "Write a function that uses os.path."),
-                "planner": _messages("lora", "Plan a refactor of this module in three steps.")}
+    messages = {"coder": messages_for("lora", "Write a function that uses os.path."),
+                "planner": messages_for("lora", "Plan a refactor of this module in three steps.")}
     saved_before = vllm_server.store_counter("saved_blocks")
     external = 'vllm:external_prefix_cache_hits_total', 'instance="lora-0"'
     before = {"external": vllm_server.metric(*external),
@@ -66,7 +27,7 @@ def test_lora_modules_from_the_base_prefill_equal_the_torch_engine(vllm_server: 
               "base": vllm_server.metric("agentshare_prefix_tokens_total", 'role="prefill"', 'source="computed"')}
 
     async def both() -> list[dict]:
-        return await asyncio.gather(*(asyncio.to_thread(_chat, vllm_server, a, m) for a, m in messages.items()))
+        return await asyncio.gather(*(asyncio.to_thread(chat, vllm_server, a, m) for a, m in messages.items()))
 
     got = dict(zip(messages, asyncio.run(both()), strict=True))
     for agent, m in messages.items():
@@ -89,8 +50,8 @@ def test_lora_modules_from_the_base_prefill_equal_the_torch_engine(vllm_server: 
 def test_the_shared_prefill_changes_what_a_module_computes(vllm_server: VllmServer, oracle) -> None:
     """The same LoRA weights under another family's manifest get a private prefill: the torch
     engine's private output, which differs from the shared one (the comparison above can fail)."""
-    m = _messages("private", "Write a function that uses os.path.")
-    shared, private = _chat(vllm_server, "coder", m), _chat(vllm_server, "foreign", m)
+    m = messages_for("private", "Write a function that uses os.path.")
+    shared, private = chat(vllm_server, "coder", m), chat(vllm_server, "foreign", m)
     want_private, _ = oracle("foreign", m)
     assert private["choices"][0]["message"]["content"] == want_private
     assert private["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -98,8 +59,8 @@ def test_the_shared_prefill_changes_what_a_module_computes(vllm_server: VllmServ
 
 
 def test_a_full_module_from_the_base_prefill_equals_the_torch_engine(vllm_server: VllmServer, oracle) -> None:
-    m = _messages("full", "Explain what this module is for.")
-    body = _chat(vllm_server, "writer", m)
+    m = messages_for("full", "Explain what this module is for.")
+    body = chat(vllm_server, "writer", m)
     want, ip = oracle("writer", m)
     assert body["choices"][0]["message"]["content"] == want
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == ip
@@ -111,10 +72,10 @@ def test_the_connector_refuses_a_module_of_another_family(vllm_server: VllmServe
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base_dir)
-    m = _messages("refuse", "Write a function that uses os.path.")
+    m = messages_for("refuse", "Write a function that uses os.path.")
     p = chat_prompt(tok, m[:-1], m[-1:])
     ip = p.invocation_point(Placement.TURN)
-    _chat(vllm_server, "coder", m)  # the prefix is in the store now (tenant A's salt)
+    chat(vllm_server, "coder", m)  # the prefix is in the store now (tenant A's salt)
     refused = vllm_server.store_counter("refused_lookups")
     salt = KEYS[0]
     r = httpx.post(vllm_server.instance_url("lora-0") + "/v1/completions", timeout=300, json={
@@ -132,8 +93,8 @@ def _tenant_salt(server: VllmServer, key: str) -> str:
 
 
 def test_another_tenant_gets_no_hits(vllm_server: VllmServer) -> None:
-    m = _messages("tenants", "Write a function that uses os.path.")
-    a = _chat(vllm_server, "coder", m, key=KEYS[0])
+    m = messages_for("tenants", "Write a function that uses os.path.")
+    a = chat(vllm_server, "coder", m, key=KEYS[0])
 
     def explain(key: str) -> dict:
         r = httpx.post(vllm_server.url + "/v1/explain", headers={"Authorization": f"Bearer {key}"},
@@ -144,7 +105,7 @@ def test_another_tenant_gets_no_hits(vllm_server: VllmServer) -> None:
     assert explain(KEYS[0])["cached_blocks"] > 0
     assert explain(KEYS[1])["cached_blocks"] == 0
     saved = vllm_server.store_counter("saved_blocks")
-    b = _chat(vllm_server, "coder", m, key=KEYS[1])
+    b = chat(vllm_server, "coder", m, key=KEYS[1])
     # tenant B's prefix was prefilled and saved again, under its own salt
     assert vllm_server.store_counter("saved_blocks") > saved
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
@@ -153,7 +114,7 @@ def test_another_tenant_gets_no_hits(vllm_server: VllmServer) -> None:
 def test_killing_the_base_mid_request_falls_back_to_a_private_prefill(vllm_server: VllmServer, oracle) -> None:
     """Last in the module: the base is killed while it prefills; the request is served by the
     coder's instance alone, and nothing stays pinned or held."""
-    m = _messages("kill", "Write a function that uses os.path.", chars=6000)
+    m = messages_for("kill", "Write a function that uses os.path.", chars=6000)
     pid = vllm_server.instance_pid("base")
 
     def kill_soon() -> None:
@@ -162,7 +123,7 @@ def test_killing_the_base_mid_request_falls_back_to_a_private_prefill(vllm_serve
 
     async def run() -> dict:
         killer = asyncio.create_task(asyncio.to_thread(kill_soon))
-        body = await asyncio.to_thread(_chat, vllm_server, "coder", m)
+        body = await asyncio.to_thread(chat, vllm_server, "coder", m)
         await killer
         return body
 

@@ -1,0 +1,99 @@
+"""The vllm engine across hosts: a frontend (``serve --engine vllm --node URL``, the base only) and
+an ``agentshare vllm-node`` serving two LoRA agents from a store of its own. The prefix crosses
+between the two stores over the cluster's TCP transport, as it would between two machines."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.cluster.auth import HEADER, ClusterSecret
+from server.process import free_port, wait_ready
+from tests.vllm.conftest import KEYS, VllmServer, chat, launch, messages_for, serve_vllm, stop
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("secret") / "cluster.secret"
+    ClusterSecret.generate().write(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def node(base_dir: Path, modules: dict[str, Path], secret_file: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("vllm-node") / "node.log"
+    port = free_port()
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache")}
+    proc = launch(["vllm-node", "--enforce-eager", "--dtype", "float32", "--model", str(base_dir), "--port", str(port),
+                   "--kv-cache", "512MiB", "--kv-store", "1GiB", "--cluster-secret-file", str(secret_file),
+                   "--module", f"coder={modules['coder']}", "--module", f"planner={modules['planner']}"], log, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url + "/health", deadline=time.monotonic() + 480, what="agentshare vllm-node",
+                   hint=f"; see {log}", poll=1.0)
+        yield VllmServer(url, proc, log)
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def frontend(base_dir: Path, node: VllmServer, secret_file: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("vllm-front") / "serve.log"
+    yield from serve_vllm(["--model", str(base_dir), "--node", node.url, "--cluster-secret-file", str(secret_file)],
+                          log, what="agentshare serve --engine vllm --node")
+
+
+def _node_stats(node: VllmServer, secret_file: Path) -> dict:
+    r = httpx.get(node.url + "/internal/vllm/stats", headers=ClusterSecret.from_file(secret_file).headers(), timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_agents_on_another_host_decode_from_the_frontends_base_prefill(
+        frontend: VllmServer, node: VllmServer, secret_file: Path, oracle) -> None:
+    m = {"coder": messages_for("node", "Write a function that uses os.path."),
+         "planner": messages_for("node", "Plan a refactor of this module in three steps.")}
+    before = _node_stats(node, secret_file)
+    saved = frontend.store_counter("saved_blocks")
+    first = chat(frontend, "coder", m["coder"])
+    after_first = _node_stats(node, secret_file)
+    second = chat(frontend, "planner", m["planner"])
+    after = _node_stats(node, secret_file)
+    for agent, body in (("coder", first), ("planner", second)):
+        want, ip = oracle(agent, m[agent])
+        assert body["choices"][0]["message"]["content"] == want, agent
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == ip, agent
+    blocks = -(-ip // 128)
+    # the base prefilled once, on the frontend's host; its blocks crossed to the node once
+    assert frontend.store_counter("saved_blocks") - saved == blocks
+    assert after_first["received_blocks"] - before["received_blocks"] == blocks
+    assert after["received_blocks"] == after_first["received_blocks"]  # the second agent found them there
+    assert after["store"]["loaded_blocks"] - before["store"]["loaded_blocks"] == 2 * blocks
+    assert after["pins"] == 0  # each request's pin on the node ended with it
+    assert frontend.metric("agentshare_vllm_node_push", 'counter="blocks"') == after["received_blocks"]
+    assert frontend.metric("vllm:external_prefix_cache_hits_total", 'instance="node-0/lora-0"') >= 2 * ip
+
+
+def test_the_node_refuses_calls_without_the_cluster_secret(node: VllmServer) -> None:
+    for headers in ({}, {HEADER: "forged"}):
+        r = httpx.get(node.url + "/internal/vllm/info", headers=headers, timeout=30)
+        assert r.status_code == 401, r.text
+    r = httpx.post(node.url + "/internal/vllm/completions", json={"model": "coder", "prompt": [1, 2, 3]}, timeout=30)
+    assert r.status_code == 401
+
+
+def test_the_frontend_lists_the_nodes_agents_and_reports_them_healthy(frontend: VllmServer) -> None:
+    r = httpx.get(frontend.url + "/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert {"coder", "planner"} <= {m["id"] for m in r.json()["data"]}
+    health = httpx.get(frontend.url + "/health", timeout=30).json()
+    assert health["status"] == "ok", health
