@@ -100,6 +100,10 @@ class TCPSender:
             key=key,
         )
         sender.stats.seconds += loop.time() - started
+        # The receiver binds both directions to the transfer once it has read "open", so every
+        # reply is bound: bind ours before writing it (the ack may be read before the write
+        # returns: uvloop sends at once). "open" itself is sealed unbound, ours after it.
+        sender._in.bind(transfer_id)
         try:
             await sender._write(
                 control(
@@ -111,8 +115,7 @@ class TCPSender:
                     **sender._open_fields(),
                 )
             )
-            sender._out.bind(transfer_id)  # the receiver binds both ways once it has read "open"
-            sender._in.bind(transfer_id)
+            sender._out.bind(transfer_id)
             await sender._wait(lambda: sender._acks >= _OPEN_ACK, "accept the transfer")
         except BaseException:
             sender.stats.failures += 1

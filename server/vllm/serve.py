@@ -104,6 +104,7 @@ def start_node(config: ServerConfig, options: VllmOptions, *, secret: ClusterSec
     from server.kv.family import family_digest
     from server.models.loader import default_model_dir
     from server.vllm.launch import VllmInstances, plan_instances
+    from server.vllm.node import Node
     from server.vllm.store import open_store
 
     if not config.modules:

@@ -70,8 +70,8 @@ def test_agents_on_another_host_decode_from_the_frontends_base_prefill(
     after = _node_stats(node, secret_file)
     for agent, body in (("coder", first), ("planner", second)):
         want, ip = oracle(agent, m[agent])
-        assert body["choices"][0]["message"]["content"] == want, agent
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == ip, agent
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == ip, (agent, body["usage"])
+        assert body["choices"][0]["message"]["content"] == want, (agent, body["usage"], before, after)
     blocks = -(-ip // 128)
     # the base prefilled once, on the frontend's host; its blocks crossed to the node once
     assert frontend.store_counter("saved_blocks") - saved == blocks

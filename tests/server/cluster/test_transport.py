@@ -538,3 +538,30 @@ def test_a_shared_memory_payload_swapped_after_the_sender_wrote_it_is_refused() 
         assert leftovers() == []
 
     run(body)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_ack_read_before_the_open_write_returns_is_still_authentic(mode: str, monkeypatch) -> None:
+    """Under uvloop a socket write goes out at once, and the receiver's ack can be read while the
+    sender is still returning from writing ``open``: the reply seal must be bound already. Here
+    the return is delayed until the ack has surely been read."""
+    from server.cluster import tcp
+
+    real = tcp.write_frame
+
+    async def slow_open(writer, frame, seal):
+        n = await real(writer, frame, seal)
+        if frame.header.get("kind") == "open":
+            await asyncio.sleep(0.2)  # the reply reader runs meanwhile
+        return n
+
+    monkeypatch.setattr(tcp, "write_frame", slow_open)
+
+    async def body(receiver: KVReceiver, handler: Recorder) -> None:
+        sender = await open_sender(receiver.address(mode), "t-early", codec=Codec.BF16, key=KEY)
+        await sender.send(frames(Codec.BF16, 1)[0])
+        await sender.finish()
+        await ended(handler)
+        assert handler.ends == [("t-early", None)]
+
+    run(body)
