@@ -112,8 +112,9 @@ def serve(
                                        "a name registered in server/cluster/codecs (built in: fp32, bf16, "
                                        "int8; int8 puts moved blocks in the lossy namespace)"),
     transport: str = typer.Option("auto", help="with --disaggregated: shm, tcp, or auto (shm within a host)"),
-    placement_policy: str = typer.Option("offload", parser=_PLACEMENT, metavar=_POLICIES, help="with --disaggregated: the "
-                                         "placement policy (registered in server/policy/placement.py)"),
+    placement_policy: str = typer.Option("offload", parser=_PLACEMENT, metavar=_POLICIES, help="with --disaggregated, or "
+                                         "--engine vllm with --node: the placement policy (registered in "
+                                         "server/policy/placement.py)"),
     offload_threshold: int = typer.Option(256, help="with --disaggregated: offload prefills longer than this (tokens)"),
     bandwidth_aware: bool = typer.Option(True, help="with --disaggregated: keep a prefill local when moving its KV "
                                          "would take longer than computing it (off: offload every long prefill)"),
@@ -153,7 +154,7 @@ def serve(
         from server.vllm.serve import VllmOptions, serve_vllm
 
         serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
-                                       enforce_eager=enforce_eager),
+                                       enforce_eager=enforce_eager, placement_policy=placement_policy),
                    nodes=node or (), secret=_secret(cluster_secret_file) if node else None)
         return
     if node:

@@ -24,7 +24,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,9 +49,12 @@ from server.engine.errors import InvalidRequest, PromptTooLong, Unavailable, Unk
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Timeline, TokenEvent, Usage
 from server.modules.registry import identify
+from server.policy import placement
+from server.policy.snapshot import ClusterSnapshot, RequestSnapshot, Role, WorkerSnapshot
 from server.prompt import Prompt
 from server.vllm.launch import BASE, VllmInstances
 from server.vllm.node import NodeClient
+from server.vllm.relay import Pushed
 from server.vllm.store import KVStore, StoreBlock, open_store, prefix_blocks
 
 log = logging.getLogger("agentshare.vllm")
@@ -99,17 +102,86 @@ class VllmStream:
                 self.task.cancel()  # closes the HTTP stream: vLLM aborts the request and frees its KV
 
 
+def choose_place(places: SequenceOf[Route], n: int, blocks: SequenceOf[StoreBlock], *, family: str,
+                 loads: Mapping[str, _Load], holds: Callable[[Route, bytes], bool],
+                 policy: str = placement.DEFAULT) -> tuple[Route, str]:
+    """Where a request of ``n`` prompt tokens whose shared prefix is ``blocks`` runs, among its
+    agent's ``places``, and why: the placement policy's decode choice (affinity: the place whose
+    store ``holds`` the longest part of the prefix; load: ``loads`` of the places, requests in
+    flight and the prompt tokens they have yet to compute).
+
+    >>> card = AgentCard("coder", "lora", "f", True)
+    >>> here, there = Route("lora-0", "coder", card), Route("node-0/lora-0", "coder", card)
+    >>> b = StoreBlock(b"k", b"", 0, 128)
+    >>> loads = {"lora-0": _Load(), "node-0/lora-0": _Load()}
+    >>> r, why = choose_place([here, there], 300, [b], family="f", loads=loads, holds=lambda r, k: r is there)
+    >>> r.instance, why
+    ('node-0/lora-0', 'longest_prefix')
+    """
+    if len(places) == 1:
+        return places[0], "only_candidate"
+    card = places[0].card
+    workers = []
+    for i, r in enumerate(places):
+        held = 0
+        for b in blocks:
+            if not holds(r, b.key):
+                break
+            held = b.end
+        load = loads[r.instance]
+        workers.append(WorkerSnapshot(i, Role.DECODE, family, cached_tokens=held, running=load.running,
+                                      queued_tokens=load.pending))
+    request = RequestSnapshot(0, card.name, family if card.shares_prefill else None, max(n, 1))
+    decision = placement.place(request, ClusterSnapshot(family, 1, decode=workers), name=policy)
+    assert decision.decode.worker_id is not None  # places is never empty
+    return places[decision.decode.worker_id], decision.decode.reason.value
+
+
+@dataclass(slots=True)
+class _Load:
+    """One place's load, as the placement policy reads it."""
+
+    running: int = 0  # requests in flight there
+    pending: int = 0  # prompt tokens they have yet to compute (work ahead of a new request)
+
+
+class _Claim:
+    """One request's share of its place's load: its prompt tokens until its first token, itself
+    until it ends."""
+
+    def __init__(self, load: _Load, tokens: int) -> None:
+        self.load, self.tokens = load, tokens
+        load.running += 1
+        load.pending += tokens
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+        self.load.pending += tokens
+
+    def computed(self) -> None:
+        """Its prompt is computed (its first token came): no longer work ahead of others."""
+        self.load.pending -= self.tokens
+        self.tokens = 0
+
+    def release(self) -> None:
+        self.computed()
+        self.load.running -= 1
+
+
 class VllmBackend:
     """Serve the API from the vLLM instances of :class:`VllmInstances` (already started)."""
 
     def __init__(self, instances: VllmInstances, *, tokenizer: Any, family: str, modules: dict[str, Path],
                  max_context: int, base_name: str = BASE, pin_ttl: float = 300.0,
-                 nodes: SequenceOf[NodeClient] = ()) -> None:
+                 nodes: SequenceOf[NodeClient] = (), placement_policy: str = placement.DEFAULT) -> None:
         self.instances = instances
         self.family = family
         self.base_name = base_name
         self.pin_ttl = pin_ttl
-        self.routes: dict[str, Route] = {base_name: Route(BASE, base_name, AgentCard(base_name, "base", family, True))}
+        self.placement_policy = placement_policy
+        # each agent's places: its instance here and/or on nodes; the placement policy picks one
+        self.routes: dict[str, list[Route]] = {
+            base_name: [Route(BASE, base_name, AgentCard(base_name, "base", family, True))]}
         for spec in instances.instances.values():
             for name in spec.spec.modules:
                 if name == base_name:
@@ -117,14 +189,15 @@ class VllmBackend:
                 ident = identify(modules[name], name=name, family=family)
                 card = AgentCard(name, ident.kind, family if ident.shares_prefill else None, ident.shares_prefill,
                                  str(ident.placement), ident.reason)
-                self.routes[name] = Route(spec.spec.name, name, card)
+                self.routes[name] = [Route(spec.spec.name, name, card)]
         self.block_size = 0
         self.store = self._open_store()
         self.nodes = list(nodes)
         for node in self.nodes:
             self._add_node(node)
-        self.facts = EngineFacts(family, {n: r.card for n, r in self.routes.items()}, tokenizer,
+        self.facts = EngineFacts(family, {n: r[0].card for n, r in self.routes.items()}, tokenizer,
                                  self.block_size, max_context)
+        self._load = {r.instance: _Load() for rs in self.routes.values() for r in rs}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self._prefills: dict[tuple[str, bytes], asyncio.Future[None]] = {}
         self._contexts: dict[str, str] = {}
@@ -143,11 +216,16 @@ class VllmBackend:
             raise ValueError(f"node {node.url} lays KV out as {f.fmt} (block size {f.block_size}), this server as "
                              f"{self.store.fmt} (block size {self.block_size}): run the same vLLM build and "
                              "options on every host")
-        for name, card in f.agents.items():
-            if name in self.routes:
-                raise ValueError(f"agent {name!r} is served both here and by node {node.url}: name it once")
-            fields = {k: v for k, v in card.items() if k != "instance"}
-            self.routes[name] = Route(f"{node.name}/{card['instance']}", name, AgentCard(**fields), node)
+        for name, fields in f.agents.items():
+            card = AgentCard(**{k: v for k, v in fields.items() if k != "instance"})
+            if name == self.base_name:
+                raise ValueError(f"node {node.url} serves an agent named {name!r}, the base's name here")
+            places = self.routes.setdefault(name, [])
+            if places and places[0].card != card:  # one agent, one module: the same card everywhere
+                raise ValueError(f"agent {name!r} is another module on node {node.url} ({card.kind}, shares "
+                                 f"prefill: {card.shares_prefill}) than elsewhere ({places[0].card.kind}, shares "
+                                 f"prefill: {places[0].card.shares_prefill}): give it the same module directory")
+            places.append(Route(f"{node.name}/{fields['instance']}", name, card, node))
 
     def _open_store(self) -> KVStore:
         store, facts = open_store(self.instances.store.root, capacity_bytes=self.instances.store.capacity_bytes,
@@ -159,10 +237,18 @@ class VllmBackend:
     # -- the Backend interface ----------------------------------------------------------------
 
     def _route(self, module: str) -> Route:
+        """The agent's card holder: its first place (every place has the same card)."""
+        return self._places(module)[0]
+
+    def _places(self, module: str) -> list[Route]:
         r = self.routes.get(module)
         if r is None:
             raise UnknownModule(module, list(self.routes))
         return r
+
+    def _choose(self, places: list[Route], n: int, blocks: list[StoreBlock]) -> tuple[Route, str]:
+        return choose_place(places, n, blocks, family=self.family, loads=self._load, policy=self.placement_policy,
+                            holds=lambda r, key: self.store.contains(key) if r.node is None else r.node.holds(key))
 
     @staticmethod
     def _shared_ip(route: Route, prompt: Prompt) -> int:
@@ -172,7 +258,7 @@ class VllmBackend:
 
     async def submit(self, request_id: str, module: str, prompt: Prompt, params: SamplingParams, *,
                      salt: str = "") -> EventSource:
-        route = self._route(module)
+        route = self._route(module)  # unknown agents are refused here, before any work
         n = len(prompt.token_ids)
         if n + 1 > self.facts.max_context:
             raise PromptTooLong(n + 1, self.facts.max_context)
@@ -205,31 +291,35 @@ class VllmBackend:
             body["return_tokens_as_token_ids"] = True
         return body
 
-    async def _run(self, stream: VllmStream, request_id: str, route: Route, prompt: Prompt,
+    async def _run(self, stream: VllmStream, request_id: str, first: Route, prompt: Prompt,
                    sampling: dict[str, Any], salt: str) -> None:
         start = time.monotonic()
         tokens = list(prompt.token_ids)
-        ip = self._shared_ip(route, prompt)
+        ip = self._shared_ip(first, prompt)
+        blocks = self._blocks(tokens[:ip], salt) if ip > 0 else []
+        route, reason = self._choose(self._places(first.model), len(tokens), blocks)
         pin = f"req-{_salt_tag(request_id)}"
         remote_pin: str | None = None  # the node drops it when the request ends there
+        pushed: Pushed | None = None
         shared = ip > 0
+        claim = _Claim(self._load[route.instance], len(tokens) - ip)
         self._running += 1
         try:
             if shared:
-                blocks = self._blocks(tokens[:ip], salt)
                 keys = [b.key for b in blocks]
                 self.store.pin(pin, keys, ttl=self.pin_ttl)
                 try:
                     await self._prefill(tokens[:ip], salt, keys)
                     if route.node is not None:  # into the node's store, pinned there until the request ends
-                        await route.node.send_prefix(self._http, self.store, blocks, tokens[:ip], pin=pin,
-                                                     ttl=self.pin_ttl)
+                        pushed = await route.node.send_prefix(self._http, self.store, blocks, tokens[:ip], pin=pin,
+                                                              ttl=self.pin_ttl)
                         remote_pin = pin
                 except (httpx.HTTPError, Unavailable, TransferError, LookupError) as exc:
                     log.warning("shared prefill failed; private prefill", extra={
                         "event": "private_fallback", "request_id": request_id, "error": str(exc) or type(exc).__name__})
                     self._counts["private_fallbacks"] += 1
                     shared = False
+                    claim.add(ip)  # the place computes the prefix too
             body = {"model": route.model, "prompt": tokens, "stream": True, "return_token_ids": True,
                     "stream_options": {"include_usage": True}, **sampling}
             if shared:
@@ -239,7 +329,8 @@ class VllmBackend:
                 body["cache_salt"] = _salt_tag(salt)
             else:
                 body["cache_salt"] = f"{_salt_tag(salt)}.private"
-            await self._stream(stream, request_id, route, body, start, imported=ip if shared else 0, pin=remote_pin)
+            await self._stream(stream, request_id, route, body, start, imported=ip if shared else 0, pin=remote_pin,
+                               reason=reason, pushed=pushed, claim=claim)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the request fails alone; the server keeps serving
@@ -249,6 +340,7 @@ class VllmBackend:
                                                error=f"the vllm instance failed: {exc}"))
         finally:
             self._running -= 1
+            claim.release()
             if ip > 0:
                 self.store.unpin(pin)
 
@@ -288,7 +380,8 @@ class VllmBackend:
             await asyncio.shield(fut)
 
     async def _stream(self, stream: VllmStream, request_id: str, route: Route, body: dict[str, Any],
-                      start: float, *, imported: int, pin: str | None = None) -> None:
+                      start: float, *, imported: int, pin: str | None = None, reason: str = "only_candidate",
+                      pushed: Pushed | None = None, claim: _Claim | None = None) -> None:
         if route.node is None:
             url, headers = self.instances[route.instance].url + "/v1/completions", None
         else:
@@ -313,6 +406,8 @@ class VllmBackend:
                     for i, tid in enumerate(ids):
                         if first is None:
                             first = time.monotonic()
+                            if claim is not None:
+                                claim.computed()
                         count += 1
                         top = [(_token_id(k), v) for k, v in (tops[i] or {}).items()] if i < len(tops) else []
                         stream.queue.put_nowait(TokenEvent(
@@ -332,7 +427,9 @@ class VllmBackend:
         timeline = Timeline(queue_s=0.0, ttft_s=None if first is None else first - start, e2e_s=end - start,
                             decode_steps=max(count - 1, 0), computed_tokens=prompt_tokens - cached,
                             reused_tokens=cached - min(imported, cached), imported_tokens=min(imported, cached),
-                            prefill=self.instances[BASE].url if imported else "local", route=f"vllm:{route.instance}")
+                            prefill=self.instances[BASE].url if imported else "local", route=f"{route.instance}:{reason}",
+                            transfer_bytes=pushed.bytes if pushed else 0, transfer_s=pushed.seconds if pushed else 0.0,
+                            transfer_codec=route.node.codec if pushed and route.node else None)
         stream.queue.put_nowait(TokenEvent(
             request_id, None, "", finish_reason=finish or FinishReason.STOP,
             usage=Usage(prompt_tokens, cached, count), timeline=timeline))

@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
@@ -49,6 +50,8 @@ from server.vllm.relay import Pushed, StoreReceiver, push_blocks, transfer_codec
 from server.vllm.store import KVStore, StoreBlock
 
 log = logging.getLogger("agentshare.vllm.node")
+
+_KNOWN_BLOCKS = 1 << 16  # block keys a frontend remembers per node, for placement
 
 PIN_HEADER = "X-Agentshare-Pin"
 """On ``/internal/vllm/completions``: the pin the node drops once the request has ended."""
@@ -237,6 +240,8 @@ class NodeClient:
         self.reachable = True
         self.down: list[str] = list(facts.down)
         self.pushed = {"transfers": 0, "blocks": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
+        self.codec = transfer_codec(facts.kv_dtype)
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # blocks it held lately (affinity only)
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"vllm-{name}", daemon=True)
 
@@ -261,6 +266,18 @@ class NodeClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the node at {url} did not answer within {timeout:g} s ({err})")
             time.sleep(1.0)
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the node held block ``key`` when this frontend last sent or found it there: a
+        hint for placement (it may have evicted it since; the lookup before a request is exact)."""
+        return key in self._known
+
+    def _learn(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self._known[k] = None
+            self._known.move_to_end(k)
+        while len(self._known) > _KNOWN_BLOCKS:
+            self._known.popitem(last=False)
 
     def headers(self, pin: str | None = None) -> dict[str, str]:
         return {**self.secret.headers(), **({PIN_HEADER: pin} if pin else {})}
@@ -289,12 +306,12 @@ class NodeClient:
         held = int(r.json()["held"])
         try:
             pushed = await push_blocks(store, blocks[held:], tokens, address=self.facts.kv_address,
-                                       key=self.secret.kv_key(), fmt=self.facts.fmt,
-                                       codec=transfer_codec(self.facts.kv_dtype), pin=pin, ttl=ttl,
-                                       transfer_id=uuid.uuid4().hex, keys=keys)
+                                       key=self.secret.kv_key(), fmt=self.facts.fmt, codec=self.codec, pin=pin,
+                                       ttl=ttl, transfer_id=uuid.uuid4().hex, keys=keys)
         except BaseException:
             self.pushed["failures"] += 1
             raise
+        self._learn(keys)
         p = self.pushed
         p["transfers"] += 1
         p["blocks"] += pushed.blocks

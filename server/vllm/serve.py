@@ -33,6 +33,7 @@ class VllmOptions:
     store_bytes: int = 2 << 30  # the shared-memory KV store's capacity
     lora_instances: int = 1  # instances the LoRA modules are dealt to
     enforce_eager: bool = False  # no compilation of the base and full instances (faster start)
+    placement_policy: str = "offload"  # picks among an agent's places (here, nodes): server/policy/placement.py
     start_timeout: float = 900.0
 
 
@@ -89,7 +90,8 @@ def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions(), *,
             clients.append(NodeClient.connect(url, secret, name=f"node-{i}", timeout=options.start_timeout))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return VllmBackend(instances, tokenizer=tokenizer, family=family, modules=dict(config.modules),
-                           max_context=max_context, base_name=config.base_name, nodes=clients)
+                           max_context=max_context, base_name=config.base_name, nodes=clients,
+                           placement_policy=options.placement_policy)
     except BaseException:
         for c in clients:
             c.close()

@@ -1,5 +1,5 @@
-"""The vllm engine across hosts: a frontend (``serve --engine vllm --node URL``, the base only) and
-an ``agentshare vllm-node`` serving two LoRA agents from a store of its own. The prefix crosses
+"""The vllm engine across hosts: a frontend (``serve --engine vllm --node URL``: the base and the
+coder) and an ``agentshare vllm-node`` serving the coder and the planner from a store of its own. The prefix crosses
 between the two stores over the cluster's TCP transport, as it would between two machines."""
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ def node(base_dir: Path, modules: dict[str, Path], secret_file: Path,
 
 
 @pytest.fixture(scope="module")
-def frontend(base_dir: Path, node: VllmServer, secret_file: Path,
+def frontend(base_dir: Path, modules: dict[str, Path], node: VllmServer, secret_file: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     log = tmp_path_factory.mktemp("vllm-front") / "serve.log"
-    yield from serve_vllm(["--model", str(base_dir), "--node", node.url, "--cluster-secret-file", str(secret_file)],
-                          log, what="agentshare serve --engine vllm --node")
+    # the coder here too: an agent with two places
+    yield from serve_vllm(["--model", str(base_dir), "--module", f"coder={modules['coder']}", "--node", node.url,
+                           "--cluster-secret-file", str(secret_file)], log, what="agentshare serve --engine vllm --node")
 
 
 def _node_stats(node: VllmServer, secret_file: Path) -> dict:
@@ -60,27 +61,54 @@ def _node_stats(node: VllmServer, secret_file: Path) -> dict:
 
 def test_agents_on_another_host_decode_from_the_frontends_base_prefill(
         frontend: VllmServer, node: VllmServer, secret_file: Path, oracle) -> None:
-    m = {"coder": messages_for("node", "Write a function that uses os.path."),
-         "planner": messages_for("node", "Plan a refactor of this module in three steps.")}
+    """The planner (served by the node only), twice on one context: the prefix crosses once."""
+    m = [messages_for("node", "Write a function that uses os.path."),
+         messages_for("node", "Plan a refactor of this module in three steps.")]
     before = _node_stats(node, secret_file)
     saved = frontend.store_counter("saved_blocks")
-    first = chat(frontend, "coder", m["coder"])
+    first = chat(frontend, "planner", m[0])
     after_first = _node_stats(node, secret_file)
-    second = chat(frontend, "planner", m["planner"])
+    second = chat(frontend, "planner", m[1])
     after = _node_stats(node, secret_file)
-    for agent, body in (("coder", first), ("planner", second)):
-        want, ip = oracle(agent, m[agent])
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == ip, (agent, body["usage"])
-        assert body["choices"][0]["message"]["content"] == want, (agent, body["usage"], before, after)
+    for messages, body in zip(m, (first, second), strict=True):
+        want, ip = oracle("planner", messages)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == ip, body["usage"]
+        assert body["choices"][0]["message"]["content"] == want
     blocks = -(-ip // 128)
     # the base prefilled once, on the frontend's host; its blocks crossed to the node once
     assert frontend.store_counter("saved_blocks") - saved == blocks
     assert after_first["received_blocks"] - before["received_blocks"] == blocks
-    assert after["received_blocks"] == after_first["received_blocks"]  # the second agent found them there
+    assert after["received_blocks"] == after_first["received_blocks"]  # the second request found them there
     assert after["store"]["loaded_blocks"] - before["store"]["loaded_blocks"] == 2 * blocks
     assert after["pins"] == 0  # each request's pin on the node ended with it
     assert frontend.metric("agentshare_vllm_node_push", 'counter="blocks"') == after["received_blocks"]
     assert frontend.metric("vllm:external_prefix_cache_hits_total", 'instance="node-0/lora-0"') >= 2 * ip
+
+
+def test_an_agent_served_here_and_on_a_node_goes_where_its_prefix_is(frontend: VllmServer, oracle) -> None:
+    """The coder runs on both hosts. On a pinned context (prefilled by the base, so in this
+    host's store and not the node's) the placement policy keeps it here; the planner, on the
+    node only, gets the context's blocks moved there, as its timeline says."""
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    m = messages_for("placement", "Write a function that uses os.path.")
+    r = httpx.post(frontend.url + "/v1/contexts", headers=auth, json={"messages": m[:-1]}, timeout=300)
+    assert r.status_code == 201, r.text
+    ctx = r.json()["id"]
+
+    def generate(agent: str) -> dict:
+        r = httpx.post(f"{frontend.url}/v1/contexts/{ctx}/generate", headers=auth, timeout=300, json={
+            "agent": agent, "messages": m[-1:], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    coder, planner = generate("coder"), generate("planner")
+    assert coder["timeline"]["route"] == "lora-0:longest_prefix", coder["timeline"]
+    assert coder["timeline"]["transfer_bytes"] == 0 and coder["timeline"]["imported_tokens"] > 0
+    assert planner["timeline"]["route"] == "node-0/lora-0:only_candidate", planner["timeline"]
+    assert planner["timeline"]["transfer_bytes"] > 0 and planner["timeline"]["transfer_codec"] == "fp32"
+    assert planner["timeline"]["imported_tokens"] == coder["timeline"]["imported_tokens"]
+    want, _ = oracle("coder", m)
+    assert want.startswith(coder["text"])  # the first 8 of the oracle's 32 tokens
 
 
 def test_the_node_refuses_calls_without_the_cluster_secret(node: VllmServer) -> None:
