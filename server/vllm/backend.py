@@ -246,6 +246,12 @@ class VllmBackend:
             raise UnknownModule(module, list(self.routes))
         return r
 
+    def _serving(self, route: Route) -> bool:
+        """Whether the place answers now (a place down is left out while another serves the agent)."""
+        if route.node is None:
+            return self.instances[route.instance].ready
+        return route.node.reachable and route.instance.split("/", 1)[1] not in route.node.down
+
     def _choose(self, places: list[Route], n: int, blocks: list[StoreBlock]) -> tuple[Route, str]:
         return choose_place(places, n, blocks, family=self.family, loads=self._load, policy=self.placement_policy,
                             holds=lambda r, key: self.store.contains(key) if r.node is None else r.node.holds(key))
@@ -297,7 +303,8 @@ class VllmBackend:
         tokens = list(prompt.token_ids)
         ip = self._shared_ip(first, prompt)
         blocks = self._blocks(tokens[:ip], salt) if ip > 0 else []
-        route, reason = self._choose(self._places(first.model), len(tokens), blocks)
+        places = self._places(first.model)
+        route, reason = self._choose([r for r in places if self._serving(r)] or places, len(tokens), blocks)
         pin = f"req-{_salt_tag(request_id)}"
         remote_pin: str | None = None  # the node drops it when the request ends there
         pushed: Pushed | None = None

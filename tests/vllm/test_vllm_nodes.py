@@ -5,6 +5,7 @@ between the two stores over the cluster's TCP transport, as it would between two
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,3 +128,26 @@ def test_the_frontend_lists_the_nodes_agents_and_reports_them_healthy(frontend: 
     assert {"coder", "planner"} <= {m["id"] for m in r.json()["data"]}
     health = httpx.get(frontend.url + "/health", timeout=30).json()
     assert health["status"] == "ok", health
+
+
+def test_an_agent_whose_instance_here_is_down_is_served_by_the_node(frontend: VllmServer, oracle) -> None:
+    """Last: the frontend's coder instance is killed; until it is back, the coder's requests go to
+    the node, with the same output."""
+    os.killpg(frontend.instance_pid("lora-0"), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while "vllm instance lora-0 is not serving" not in httpx.get(frontend.url + "/health", timeout=10).json()["reasons"]:
+        assert time.monotonic() < deadline, "the supervisor did not notice the dead instance"
+        time.sleep(0.5)
+    m = messages_for("failover", "Write a function that uses os.path.")
+    r = httpx.post(frontend.url + "/v1/contexts", headers={"Authorization": f"Bearer {KEYS[0]}"},
+                   json={"messages": m[:-1]}, timeout=300)
+    assert r.status_code == 201, r.text
+    r = httpx.post(f"{frontend.url}/v1/contexts/{r.json()['id']}/generate", headers={"Authorization": f"Bearer {KEYS[0]}"},
+                   json={"agent": "coder", "messages": m[-1:], "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["timeline"]["route"] == "node-0/lora-0:only_candidate", body["timeline"]
+    assert body["timeline"]["imported_tokens"] > 0
+    want, _ = oracle("coder", m)
+    assert want.startswith(body["text"])
