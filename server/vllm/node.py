@@ -242,6 +242,7 @@ class NodeClient:
         self.pushed = {"transfers": 0, "blocks": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
         self.codec = transfer_codec(facts.kv_dtype)
         self._known: OrderedDict[bytes, None] = OrderedDict()  # blocks it held lately (affinity only)
+        self._flights: dict[bytes, asyncio.Future[None]] = {}  # pushes under way, by their last block
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"vllm-{name}", daemon=True)
 
@@ -298,19 +299,35 @@ class NodeClient:
 
     async def send_prefix(self, http: httpx.AsyncClient, store: KVStore, blocks: Sequence[StoreBlock],
                           tokens: Sequence[int], *, pin: str, ttl: float) -> Pushed:
-        """Make the node's store hold ``blocks`` (pinned under ``pin``): send those it lacks."""
+        """Make the node's store hold ``blocks`` (pinned under ``pin``): send those it lacks. A
+        request that finds the same prefix on its way there waits for that push, then sends what
+        is still missing (nothing, unless that push failed)."""
         keys = [b.key for b in blocks]
-        r = await http.post(self.url + "/internal/vllm/lookup", headers=self.headers(), timeout=30,
-                            json={"keys": [k.hex() for k in keys], "pin": pin, "ttl": ttl})
-        r.raise_for_status()
-        held = int(r.json()["held"])
+        held = await self._lookup(http, keys, pin, ttl)
+        flight = self._flights.get(keys[-1]) if keys and held < len(keys) else None
+        if flight is not None:
+            with contextlib.suppress(Exception):  # its failure is its own; this request tries itself
+                await asyncio.shield(flight)
+            held = await self._lookup(http, keys, pin, ttl)
+        fut: asyncio.Future[None] | None = None
+        if keys and held < len(keys):
+            fut = self._flights[keys[-1]] = asyncio.get_running_loop().create_future()
         try:
             pushed = await push_blocks(store, blocks[held:], tokens, address=self.facts.kv_address,
                                        key=self.secret.kv_key(), fmt=self.facts.fmt, codec=self.codec, pin=pin,
                                        ttl=ttl, transfer_id=uuid.uuid4().hex, keys=keys)
-        except BaseException:
+        except BaseException as exc:
             self.pushed["failures"] += 1
+            if fut is not None:
+                fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError("push cancelled"))
+                fut.exception()  # retrieved: no warning when nobody waits on it
             raise
+        finally:
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(None)
+                if self._flights.get(keys[-1]) is fut:
+                    del self._flights[keys[-1]]
         self._learn(keys)
         p = self.pushed
         p["transfers"] += 1
@@ -318,6 +335,13 @@ class NodeClient:
         p["bytes"] += pushed.bytes
         p["seconds"] += pushed.seconds
         return pushed
+
+    async def _lookup(self, http: httpx.AsyncClient, keys: Sequence[bytes], pin: str, ttl: float) -> int:
+        """Pin ``keys`` on the node; how many of them, from the first, it holds."""
+        r = await http.post(self.url + "/internal/vllm/lookup", headers=self.headers(), timeout=30,
+                            json={"keys": [k.hex() for k in keys], "pin": pin, "ttl": ttl})
+        r.raise_for_status()
+        return int(r.json()["held"])
 
     async def stats(self, http: httpx.AsyncClient) -> dict[str, Any] | None:
         try:

@@ -4,6 +4,7 @@ between the two stores over the cluster's TCP transport, as it would between two
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -86,6 +87,25 @@ def test_agents_on_another_host_decode_from_the_frontends_base_prefill(
     assert after["pins"] == 0  # each request's pin on the node ended with it
     assert frontend.metric("agentshare_vllm_node_push", 'counter="blocks"') == after["received_blocks"]
     assert frontend.metric("vllm:external_prefix_cache_hits_total", 'instance="node-0/lora-0"') >= ip
+
+
+def test_requests_that_meet_on_their_way_to_a_node_send_the_prefix_once(
+        frontend: VllmServer, node: VllmServer, secret_file: Path, oracle) -> None:
+    m = [messages_for("together", "Write a function that uses os.path."),
+         messages_for("together", "Plan a refactor of this module in three steps.")]
+    before = _node_stats(node, secret_file)
+
+    async def both() -> list[dict]:
+        return await asyncio.gather(*(asyncio.to_thread(chat, frontend, "planner", x) for x in m))
+
+    bodies = asyncio.run(both())
+    after = _node_stats(node, secret_file)
+    for messages, body in zip(m, bodies, strict=True):
+        want, ip = oracle("planner", messages)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == ip, body["usage"]
+        assert body["choices"][0]["message"]["content"] == want
+    assert after["received_blocks"] - before["received_blocks"] == -(-ip // 128)
+    assert after["pins"] == 0
 
 
 def test_an_agent_served_here_and_on_a_node_goes_where_its_prefix_is(frontend: VllmServer, oracle) -> None:
