@@ -226,13 +226,15 @@ class KVStore:
                 continue
             try:
                 body = json.loads(p.read_text())
-            except (OSError, ValueError):
+                expires = float(body.get("expires", 0))
+                keys = [str(k) for k in body.get("keys", ())]
+            except (OSError, ValueError, TypeError, AttributeError):  # being replaced, or not a pin
                 continue
-            if body.get("expires", 0) < now:
+            if expires < now:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
                 continue
-            keep.update(body.get("keys", ()))
+            keep.update(keys)
         return keep
 
     # -- memory -------------------------------------------------------------------------------
@@ -267,13 +269,15 @@ class KVStore:
                 break
             if name in pinned:
                 continue
-            with contextlib.suppress(FileNotFoundError):
+            total -= size  # gone, whoever removed it
+            try:
                 (self.blocks / name).unlink()
-                total -= size
-                removed += 1
-                with self._lock:
-                    self.counters.evicted_blocks += 1
-                    self.counters.evicted_bytes += size
+            except FileNotFoundError:
+                continue  # another process evicted it first: not counted as ours
+            removed += 1
+            with self._lock:
+                self.counters.evicted_blocks += 1
+                self.counters.evicted_bytes += size
         if total > self.capacity_bytes:
             log.warning("KV store over capacity (%d > %d bytes): the rest is pinned", total, self.capacity_bytes)
         return removed
@@ -295,9 +299,11 @@ class KVStore:
             if p.name.startswith("."):
                 continue
             try:
-                total.add(StoreCounters(**json.loads(p.read_text())))
+                counters = StoreCounters(**json.loads(p.read_text()))
             except (OSError, ValueError, TypeError):
                 continue
+            if all(type(getattr(counters, f.name)) is int for f in fields(counters)):  # else: not ours, skipped whole
+                total.add(counters)
         return total
 
 

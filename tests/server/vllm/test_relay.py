@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import zlib
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from server.cluster.codec import Frame
-from server.cluster.errors import TransferError, TransferRejected
+from server.cluster.errors import TransferError, TransferRejected, TransferTimeout
 from server.cluster.transport import KVReceiver, open_sender
 from server.vllm.relay import StoreReceiver, push_blocks, transfer_codec
 from server.vllm.store import KVStore, StoreBlock, prefix_blocks
@@ -139,3 +140,85 @@ def test_only_lossless_codecs_carry_vllm_kv() -> None:
     assert transfer_codec("torch.float32") == "fp32"
     with pytest.raises(ValueError, match="float16"):
         transfer_codec("torch.float16")
+
+
+def test_a_push_reports_how_long_it_took(tmp_path: Path) -> None:
+    a, b, blocks = _stores(tmp_path)
+    started = time.monotonic()
+    pushed, _, _ = _run(b, lambda addr: _push(a, blocks, addr))
+    assert 0 < pushed.seconds <= time.monotonic() - started
+
+
+def test_an_open_meta_with_any_one_field_malformed_is_refused(tmp_path: Path) -> None:
+    """pin not a string, ttl not a number (even one that parses), keys not a list (even a mapping
+    of valid keys): each alone refuses the transfer, and nothing is pinned."""
+    _, b, blocks = _stores(tmp_path)
+    good = {"fmt": "fmt", "pin": "p", "ttl": 60, "keys": [blocks[0].key.hex()]}
+    bad = [{"pin": 7}, {"pin": ["p"]}, {"ttl": "60"}, {"ttl": None}, {"keys": {blocks[0].key.hex(): 1}}]
+
+    async def body(addr: str):
+        for i, change in enumerate(bad):
+            with pytest.raises(TransferRejected, match="open meta needs"):
+                await open_sender(addr, f"m{i}", codec="fp32", key=KEY, timeout=5, meta={**good, **change})
+        sender = await open_sender(addr, "ok", codec="fp32", key=KEY, timeout=5, meta=good)
+        await sender.finish()
+
+    _run(b, body)
+    assert [p.name for p in b.pins.iterdir()] == ["p"]  # the well-formed one only
+
+
+async def _until(check, seconds: float = 2.0) -> None:
+    """Wait (briefly) for the receiver to have handled what the sender already sent."""
+    async def poll():
+        while not check():
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), seconds)
+
+
+def test_every_failed_push_is_counted_with_the_senders_reason(tmp_path: Path, caplog) -> None:
+    a, b, blocks = _stores(tmp_path)
+    (a.blocks / blocks[1].key.hex()).unlink()
+
+    async def main():
+        handler = StoreReceiver(b, "fmt")
+        receiver = KVReceiver(handler, key=KEY)
+        await receiver.start()
+        try:
+            for n in (1, 2):
+                with pytest.raises(LookupError):
+                    await _push(a, blocks, receiver.address("tcp"))
+                await _until(lambda n=n: handler.failed_transfers == n)
+        finally:
+            await receiver.close()
+        return handler
+
+    with caplog.at_level("WARNING", logger="agentshare.vllm.relay"):
+        handler = asyncio.run(main())
+    assert handler.failed_transfers == 2
+    errors = [r.error for r in caplog.records if getattr(r, "event", None) == "vllm_push_failed"]
+    assert len(errors) == 2
+    assert all("LookupError: store block " + blocks[1].key.hex()[:16] in e and "left the store" in e for e in errors)
+
+
+def test_a_push_to_a_node_that_never_answers_times_out(tmp_path: Path) -> None:
+    a, _, blocks = _stores(tmp_path)
+
+    async def main():
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # reads everything, answers nothing
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            started = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                await push_blocks(a, blocks, TOKENS, address=f"tcp://127.0.0.1:{port}", key=KEY, fmt="fmt",
+                                  codec="fp32", pin="p", ttl=60, transfer_id="t9", timeout=0.1)
+            return time.monotonic() - started
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(asyncio.wait_for(main(), 5)) < 2  # the push's timeout, not the transport's default
