@@ -10,7 +10,8 @@ request to an agent that joins the family::
        reports the prefix as external cached tokens and loads it; the module computes from IP on
     4. unpin
 
-When the base cannot prefill (it died, it is restarting), the agent's instance computes the
+When the base cannot prefill (it died, it is restarting), or the agent's instance cannot load
+the prefix (its connector fails the request before the first token), the instance computes the
 whole prompt with the module's weights: a private prefill, under a vLLM cache salt of its own
 so that no later request mistakes that KV for the base's. The base agent itself runs on the
 base instance with vLLM's prefix cache (its salt: the tenant's). Pinned contexts are base
@@ -135,6 +136,14 @@ def choose_place(places: SequenceOf[Route], n: int, blocks: SequenceOf[StoreBloc
     decision = placement.place(request, ClusterSnapshot(family, 1, decode=workers), name=policy)
     assert decision.decode.worker_id is not None  # places is never empty
     return places[decision.decode.worker_id], decision.decode.reason.value
+
+
+class _Failed(RuntimeError):
+    """The instance failed a request mid-stream (an error event instead of tokens)."""
+
+    def __init__(self, message: str, *, before_first_token: bool) -> None:
+        super().__init__(f"vLLM failed the request: {message}")
+        self.before_first_token = before_first_token
 
 
 @dataclass(slots=True)
@@ -336,8 +345,21 @@ class VllmBackend:
                 body["cache_salt"] = _salt_tag(salt)
             else:
                 body["cache_salt"] = f"{_salt_tag(salt)}.private"
-            await self._stream(stream, request_id, route, body, start, imported=ip if shared else 0, pin=remote_pin,
-                               reason=reason, pushed=pushed, claim=claim)
+            try:
+                await self._stream(stream, request_id, route, body, start, imported=ip if shared else 0,
+                                   pin=remote_pin, reason=reason, pushed=pushed, claim=claim)
+            except _Failed as exc:
+                if not (shared and exc.before_first_token):
+                    raise
+                # the instance could not load the prefix (its connector failed the request):
+                # compute it privately, under the private salt, before anything reached the client
+                log.warning("prefix load failed; private prefill", extra={
+                    "event": "private_fallback", "request_id": request_id, "error": str(exc)})
+                self._counts["private_fallbacks"] += 1
+                claim.add(ip)
+                del body["kv_transfer_params"]
+                body["cache_salt"] = f"{_salt_tag(salt)}.private"
+                await self._stream(stream, request_id, route, body, start, imported=0, reason=reason, claim=claim)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the request fails alone; the server keeps serving
@@ -405,6 +427,10 @@ class VllmBackend:
                 raise RuntimeError(f"HTTP {resp.status_code}: {text}")
             async for data in _sse(resp.aiter_lines()):
                 chunk = json.loads(data)
+                if "error" in chunk:  # vLLM failed the request mid-stream
+                    err = chunk["error"]
+                    raise _Failed(str(err.get("message") if isinstance(err, dict) else err),
+                                  before_first_token=first is None)
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices", []):
                     ids = choice.get("token_ids") or []

@@ -17,6 +17,12 @@ The rules are the torch engine's (docs/design.md §2): positions before the invo
 The connector refuses a module whose manifest does not name the family (it reports no external
 tokens: a private prefill), and a salt is part of every key, so tenants never share blocks.
 
+A load is claimed only as the frontend asked for it, after making sure the blocks are in the
+store and pinned; a block that is then missing or damaged is reported as a failed load
+(``get_block_ids_with_load_errors``): vLLM fails the request (``kv_load_failure_policy: fail``)
+and the frontend serves it by a private prefill. The module never computes the prefix under the
+shared cache salt.
+
 vLLM accepts a match that is not block-aligned (its scheduler takes ``num_computed + external``
 as is), so the load ends exactly at the IP: no boundary rule beyond the torch engine's. The
 store's blocks are ``block_size`` tokens (16) plus the prefix's partial tail; vLLM's block size
@@ -87,6 +93,7 @@ class _Plan:
     tokens: list[int]
     blocks: list[StoreBlock]
     block_ids: list[int] = field(default_factory=list)
+    missing: bool = False  # a load whose blocks were not all in the store when it was scheduled
 
 
 def request_params(request: Request) -> dict[str, Any] | None:
@@ -137,6 +144,7 @@ class AgentshareConnector(KVConnectorBase_V1):
         self._block_ids: dict[str, list[int]] = {}
         self._counted: set[str] = set()
         self._kv: list[torch.Tensor] = []
+        self._load_errors: dict[str, set[int]] = {}  # request -> its blocks that failed to load, this step
 
     # -- scheduler side -----------------------------------------------------------------------
 
@@ -166,10 +174,12 @@ class AgentshareConnector(KVConnectorBase_V1):
             self._count_once(request.request_id)
             return 0, False
         need = [b for b in blocks if b.end > num_computed_tokens]
-        if not all(self.store.contains(b.key) for b in need):
-            self._count_once(request.request_id)
-            return 0, False
-        self._plans[request.request_id] = _Plan("load", n, tokens[:n], need)
+        # Claimed even when blocks are missing (the frontend asks only once they are in the store
+        # and pinned, so a miss is a fault): the load then fails and vLLM fails the request.
+        # Reporting no match instead would let the module compute the prefix itself under the
+        # shared cache salt, and vLLM's prefix cache would later serve that KV as the base's.
+        missing = not all(self.store.contains(b.key) for b in need)
+        self._plans[request.request_id] = _Plan("load", n, tokens[:n], need, missing=missing)
         return n - num_computed_tokens, False
 
     def _count_once(self, request_id: str, *, refused: bool = False, hit_tokens: int = 0) -> None:
@@ -192,7 +202,7 @@ class AgentshareConnector(KVConnectorBase_V1):
             return
         if num_external_tokens == 0:
             del self._plans[request.request_id]  # vLLM chose not to load (e.g. a longer local hit)
-        self._count_once(request.request_id, hit_tokens=num_external_tokens)
+        self._count_once(request.request_id, hit_tokens=0 if plan.missing else num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = AgentshareMetadata()
@@ -250,15 +260,25 @@ class AgentshareConnector(KVConnectorBase_V1):
             for b in t.blocks:
                 raw = self.store.get(b.key, parent=b.parent, tokens=t.tokens[b.start:b.end])
                 if raw is None:
-                    # checked at scheduling and pinned by the frontend; a load that still fails
-                    # must not be served as exact: fail loudly (vLLM fails the request)
-                    raise RuntimeError(f"agentshare connector: store block {b.key.hex()[:16]} of request "
-                                       f"{t.request_id} vanished or does not match")
+                    # missing or not what its key says: never served as the base's KV. vLLM fails
+                    # the request (kv_load_failure_policy "fail", its default) and drops the block
+                    if t.request_id not in self._load_errors:
+                        self.store.counters.failed_loads += 1
+                    self._load_errors.setdefault(t.request_id, set()).add(
+                        t.block_ids[b.start // self.vllm_block_size])
+                    log.warning("agentshare connector: store block %s of request %s is missing or does not "
+                                "match; the request fails", b.key.hex()[:16], t.request_id)
+                    continue
                 kb = self._kernel_blocks(t.block_ids, b)
                 src = torch.from_numpy(raw.copy()).view(self._kv[0].dtype).to(self._kv[0].device)  # once a block
                 for layer, kv in enumerate(self._kv):
                     kv[kb] = src[layer]
         self.store.publish()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed = {block for blocks in self._load_errors.values() for block in blocks}
+        self._load_errors.clear()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv copies every layer before the forward

@@ -121,7 +121,8 @@ def command(spec: InstanceSpec, *, port: int, dtype: str, store: StoreConfig, ma
     extra = {"store": str(store.root), "capacity_bytes": store.capacity_bytes, "family": store.family,
              "served": spec.served, "modules": dict(spec.modules)}
     kv = {"kv_connector": "AgentshareConnector", "kv_connector_module_path": "server.vllm.connector",
-          "kv_role": "kv_both", "kv_connector_extra_config": extra}
+          "kv_role": "kv_both", "kv_connector_extra_config": extra,
+          "kv_load_failure_policy": "fail"}  # a prefix that fails to load fails its request, never recomputed
     args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.model),
             "--served-model-name", spec.served, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-prefix-caching",

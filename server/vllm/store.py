@@ -104,6 +104,7 @@ class StoreCounters:
     evicted_blocks: int = 0
     evicted_bytes: int = 0
     rejected_blocks: int = 0  # a file whose header or checksum did not match: treated as a miss
+    failed_loads: int = 0  # requests whose prefix was not in the store when loaded: failed, never guessed
 
     def add(self, other: StoreCounters) -> None:
         for f in fields(self):

@@ -111,6 +111,53 @@ def test_another_tenant_gets_no_hits(vllm_server: VllmServer) -> None:
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
 
 
+def test_a_load_of_a_prefix_the_store_lacks_fails_rather_than_guessing(vllm_server: VllmServer, base_dir: Path,
+                                                                       oracle) -> None:
+    """Asked directly to load a prefix that was never saved, the coder's instance fails the
+    request: it does not compute the prefix with the module under the shared cache salt, where
+    vLLM's prefix cache would later serve it as the base's."""
+    from transformers import AutoTokenizer
+
+    from server.vllm.backend import _salt_tag
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    m = messages_for("never-saved", "Write a function that uses os.path.")
+    p = chat_prompt(tok, m[:-1], m[-1:])
+    ip = p.invocation_point(Placement.TURN)
+    salt = _tenant_salt(vllm_server, KEYS[0])
+    failed = vllm_server.store_counter("failed_loads")
+    r = httpx.post(vllm_server.instance_url("lora-0") + "/v1/completions", timeout=300, json={
+        "model": "coder", "prompt": list(p.token_ids), "max_tokens": 4, "temperature": 0,
+        "cache_salt": f"{_salt_tag(salt)}.ip{ip}",
+        "kv_transfer_params": {"agentshare": {"op": "load", "n": ip, "salt": salt}}})
+    assert r.status_code != 200 or "error" in r.json() or r.json()["choices"][0]["finish_reason"] == "error", r.text
+    assert vllm_server.store_counter("failed_loads") == failed + 1
+    # nothing of it stayed in vLLM's prefix cache: the same request through the API is exact
+    body = chat(vllm_server, "coder", m)
+    want, _ = oracle("coder", m)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == ip
+    assert body["choices"][0]["message"]["content"] == want
+
+
+def test_a_prefix_damaged_in_the_store_gets_a_private_prefill(vllm_server: VllmServer, oracle) -> None:
+    """The prefix's blocks are damaged after the base saved them: the coder's instance fails the
+    load, and the frontend serves the request by a private prefill (the module's own output)."""
+    first = messages_for("damaged", "Write a function that uses os.path.")
+    assert chat(vllm_server, "coder", first)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    store = Path(vllm_server.events("vllm_store")[-1]["root"])
+    for f in store.glob("*/blocks/*"):
+        if not f.name.startswith("."):
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0xFF  # the payload's last byte: its crc32 no longer matches
+            f.write_bytes(bytes(data))
+    fallbacks = len(vllm_server.events("private_fallback"))
+    again = messages_for("damaged", "Plan a refactor of this module in three steps.")
+    body = chat(vllm_server, "coder", again)
+    want_private, _ = oracle("foreign", again)  # the coder's weights, prefilling privately
+    assert body["choices"][0]["message"]["content"] == want_private
+    assert len(vllm_server.events("private_fallback")) == fallbacks + 1
+
+
 def test_killing_the_base_mid_request_falls_back_to_a_private_prefill(vllm_server: VllmServer, oracle) -> None:
     """Last in the module: the base is killed while it prefills; the request is served by the
     coder's instance alone, and nothing stays pinned or held."""
