@@ -49,11 +49,10 @@ from server.cluster.errors import TransferError
 from server.engine.errors import InvalidRequest, PromptTooLong, Unavailable, UnknownModule
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Timeline, TokenEvent, Usage
-from server.modules.registry import identify
 from server.policy import placement
 from server.policy.snapshot import ClusterSnapshot, RequestSnapshot, Role, WorkerSnapshot
 from server.prompt import Prompt
-from server.vllm.launch import BASE, VllmInstances
+from server.vllm.launch import BASE, VllmInstances, agent_card
 from server.vllm.node import NodeClient
 from server.vllm.relay import Pushed
 from server.vllm.store import KVStore, StoreBlock, open_store, prefix_blocks
@@ -195,10 +194,7 @@ class VllmBackend:
             for name in spec.spec.modules:
                 if name == base_name:
                     continue
-                ident = identify(modules[name], name=name, family=family)
-                card = AgentCard(name, ident.kind, family if ident.shares_prefill else None, ident.shares_prefill,
-                                 str(ident.placement), ident.reason)
-                self.routes[name] = [Route(spec.spec.name, name, card)]
+                self.routes[name] = [Route(spec.spec.name, name, agent_card(modules[name], name=name, family=family))]
         self.block_size = 0
         self.store = self._open_store()
         self.nodes = list(nodes)

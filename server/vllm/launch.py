@@ -42,6 +42,7 @@ from typing import IO
 
 import httpx
 
+from server.backend import AgentCard
 from server.cluster.shm import shm_dir
 from server.modules.manifest import Manifest, ModuleKind
 from server.modules.registry import identify
@@ -64,6 +65,14 @@ class InstanceSpec:
     modules: Mapping[str, str | None] = field(default_factory=dict)
     """Each agent this instance serves -> the family its manifest names (None: no manifest)."""
     compile: bool = True
+
+
+def agent_card(path: Path, *, name: str, family: str) -> AgentCard:
+    """What clients may know of the agent whose module is at ``path`` (whether it shares the base's
+    prefill, and why), as the torch engine says it."""
+    ident = identify(path, name=name, family=family)
+    return AgentCard(name, ident.kind, family if ident.shares_prefill else None, ident.shares_prefill,
+                     str(ident.placement), ident.reason)
 
 
 def _lora_rank(path: Path) -> int:

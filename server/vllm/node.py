@@ -44,8 +44,7 @@ from server.api.errors import ApiError, install_error_handlers
 from server.backend import AgentCard
 from server.cluster.auth import HEADER, ClusterSecret
 from server.cluster.transport import KVReceiver
-from server.modules.registry import identify
-from server.vllm.launch import VllmInstances
+from server.vllm.launch import VllmInstances, agent_card
 from server.vllm.relay import Pushed, StoreReceiver, push_blocks, transfer_codec
 from server.vllm.store import KVStore, StoreBlock
 
@@ -87,10 +86,7 @@ class Node:
         for inst in instances.instances.values():
             for name in inst.spec.modules:
                 if name in modules:
-                    ident = identify(modules[name], name=name, family=family)
-                    card = AgentCard(name, ident.kind, family if ident.shares_prefill else None, ident.shares_prefill,
-                                     str(ident.placement), ident.reason)
-                    self.routes[name] = (inst.spec.name, card)
+                    self.routes[name] = (inst.spec.name, agent_card(modules[name], name=name, family=family))
         self._http: httpx.AsyncClient | None = None
 
     def facts(self) -> NodeFacts:
