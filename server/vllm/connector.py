@@ -108,6 +108,25 @@ def request_params(request: Request) -> dict[str, Any] | None:
     return p
 
 
+def check_parallel(parallel: Any) -> None:
+    """Refuse tensor and pipeline parallelism: each rank holds a part of a block's KV (its heads,
+    its layers), and the store keeps one file per block, so ranks would overwrite each other's
+    parts and load the wrong ones. Until the store's format includes the rank, one rank only.
+
+    >>> from types import SimpleNamespace as NS
+    >>> check_parallel(NS(tensor_parallel_size=1, pipeline_parallel_size=1))
+    >>> check_parallel(NS(tensor_parallel_size=2, pipeline_parallel_size=1))
+    Traceback (most recent call last):
+    ...
+    ValueError: agentshare connector: tensor_parallel_size 2 and pipeline_parallel_size 1: the prefix store holds one rank's KV per block; run each instance on one rank (data parallel: several instances) until the store keys blocks by rank
+    """
+    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    if tp > 1 or pp > 1:
+        raise ValueError(f"agentshare connector: tensor_parallel_size {tp} and pipeline_parallel_size {pp}: the "
+                         "prefix store holds one rank's KV per block; run each instance on one rank (data "
+                         "parallel: several instances) until the store keys blocks by rank")
+
+
 def kv_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, family: str) -> str:
     """A digest of what a store block's bytes mean on this instance (and the family they hold)."""
     group = kv_cache_config.kv_cache_groups[0]
@@ -125,6 +144,7 @@ class AgentshareConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_parallel(vllm_config.parallel_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         try:
             self.family: str = extra["family"]
