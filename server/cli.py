@@ -146,6 +146,7 @@ def serve(
         if disaggregated:
             raise typer.BadParameter("--engine vllm is disaggregated already (a base instance and decode "
                                      "instances); leave out --disaggregated")
+        secret = _secret(cluster_secret_file) if node else None
         try:
             import vllm  # noqa: F401
         except ImportError:
@@ -155,7 +156,7 @@ def serve(
 
         serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
                                        enforce_eager=enforce_eager, placement_policy=placement_policy),
-                   nodes=node or (), secret=_secret(cluster_secret_file) if node else None)
+                   nodes=node or (), secret=secret)
         return
     if node:
         raise typer.BadParameter("--node needs --engine vllm")
