@@ -492,11 +492,7 @@ class VllmBackend:
         route = self._route(module)
         ip = self._shared_ip(route, prompt)
         blocks = [b for b in self._blocks(list(prompt.token_ids[:ip]), salt) if b.end - b.start == self.block_size]
-        hit = 0
-        for b in blocks:
-            if not self.store.contains(b.key):
-                break
-            hit += 1
+        hit = self.store.held_prefix(b.key for b in blocks)
         total = len(prompt.token_ids) // self.block_size
         return CacheReport(self.block_size, total, hit)
 

@@ -281,7 +281,7 @@ class AgentshareConnector(KVConnectorBase_V1):
                 raw = self.store.get(b.key, parent=b.parent, tokens=t.tokens[b.start:b.end])
                 if raw is None:
                     # missing or not what its key says: never served as the base's KV. vLLM fails
-                    # the request (kv_load_failure_policy "fail", its default) and drops the block
+                    # the request (kv_load_failure_policy "fail", set by the launcher) and drops the block
                     if t.request_id not in self._load_errors:
                         self.store.counters.failed_loads += 1
                     self._load_errors.setdefault(t.request_id, set()).add(
@@ -290,7 +290,7 @@ class AgentshareConnector(KVConnectorBase_V1):
                                 "match; the request fails", b.key.hex()[:16], t.request_id)
                     continue
                 kb = self._kernel_blocks(t.block_ids, b)
-                src = torch.from_numpy(raw.copy()).view(self._kv[0].dtype).to(self._kv[0].device)  # once a block
+                src = torch.from_numpy(raw).view(self._kv[0].dtype).to(self._kv[0].device)  # once a block
                 for layer, kv in enumerate(self._kv):
                     kv[kb] = src[layer]
         self.store.publish()

@@ -143,12 +143,7 @@ class Node:
         first, the store holds: pinned first, none of those can be evicted before the request ends."""
         raw = [bytes.fromhex(k) for k in keys]
         self.store.pin(pin, raw, ttl=ttl)
-        held = 0
-        for k in raw:
-            if not self.store.contains(k):
-                break
-            held += 1
-        return held
+        return self.store.held_prefix(raw)
 
     def stats(self) -> dict[str, Any]:
         blocks, held = self.store.usage()

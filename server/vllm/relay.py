@@ -82,12 +82,12 @@ async def push_blocks(store: KVStore, blocks: Sequence[StoreBlock], tokens: Sequ
             raw = await asyncio.to_thread(store.get, b.key, parent=b.parent, tokens=tokens[b.start:b.end])
             if raw is None:
                 raise LookupError(f"store block {b.key.hex()[:16]} left the store before it was sent")
-            payload = raw.tobytes()
+            payload = raw.data.cast("B")  # the buffer the block was read into, as bytes: no copy
             header = {"kind": "kv", "codec": codec, "block": {
                 "key": b.key.hex(), "parent": b.parent.hex(), "tokens": [int(t) for t in tokens[b.start:b.end]],
                 "dtype": raw.dtype.str, "shape": list(raw.shape), "crc32": zlib.crc32(payload)}}
             await sender.send(Frame(header, payload))
-            sent += len(payload)
+            sent += payload.nbytes
         await sender.finish()
     except BaseException as exc:
         await sender.abort(f"{type(exc).__name__}: {exc}")
@@ -129,7 +129,7 @@ class StoreReceiver:
         except (TypeError, KeyError, ValueError):
             raise ProtocolError("a store block frame needs block {key, parent, tokens, dtype, shape, crc32}, "
                                 f"got {b!r}") from None
-        payload = bytes(frame.payload)
+        payload = frame.payload
         if zlib.crc32(payload) != crc or len(payload) != dtype.itemsize * int(np.prod(shape)):
             raise ProtocolError(f"store block {key.hex()[:16]} arrived damaged (length or crc32)")
         kv = np.frombuffer(payload, dtype=dtype).reshape(shape)

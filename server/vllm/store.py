@@ -165,11 +165,23 @@ class KVStore:
             self.counters.saved_bytes += payload.nbytes
         return True
 
+    def held_prefix(self, keys: Iterable[bytes]) -> int:
+        """How many of ``keys``, from the first, the store holds."""
+        held = 0
+        for key in keys:
+            if not self.contains(key):
+                break
+            held += 1
+        return held
+
     def get(self, key: bytes, *, parent: bytes, tokens: Sequence[int]) -> np.ndarray | None:
-        """The block's KV, or None when it is absent or does not match what the caller expects."""
+        """The block's KV (a writable array over the one buffer the file was read into), or None
+        when it is absent or does not match what the caller expects."""
         path = self._path(key)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(data)
         except FileNotFoundError:
             return None
         kv = self._decode(data, key, parent, tokens)
@@ -186,7 +198,7 @@ class KVStore:
         return kv
 
     @staticmethod
-    def _decode(data: bytes, key: bytes, parent: bytes, tokens: Sequence[int]) -> np.ndarray | None:
+    def _decode(data: bytearray, key: bytes, parent: bytes, tokens: Sequence[int]) -> np.ndarray | None:
         n = len(_MAGIC)
         if data[:n] != _MAGIC or len(data) < n + _HEADER_LEN.size:
             return None
