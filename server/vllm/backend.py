@@ -67,6 +67,14 @@ def _salt_tag(salt: str) -> str:
     return hashlib.sha256(salt.encode()).hexdigest()[:32]
 
 
+def _cache_salt(salt: str, ip: int | None) -> str:
+    """The vLLM cache salt of a request: the base agent's (``ip`` None) is the tenant's; a module's
+    loaded prefix is salted with its IP; a module's private prefill (``ip`` 0) has a salt of its own,
+    so that its module-computed KV is never taken for the base's."""
+    tag = _salt_tag(salt)
+    return tag if ip is None else f"{tag}.ip{ip}" if ip else f"{tag}.private"
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """Where one agent is served: its instance, and the model name requests there carry."""
@@ -236,7 +244,6 @@ class VllmBackend:
         store, facts = open_store(self.instances.store.root, capacity_bytes=self.instances.store.capacity_bytes,
                                   role="frontend")
         self.block_size = int(facts["block_size"])  # type: ignore[call-overload]
-        self.kv_dtype = str(facts.get("dtype", ""))
         return store
 
     # -- the Backend interface ----------------------------------------------------------------
@@ -327,20 +334,13 @@ class VllmBackend:
                                                               ttl=self.pin_ttl)
                         remote_pin = pin
                 except (httpx.HTTPError, Unavailable, TransferError, LookupError) as exc:
-                    log.warning("shared prefill failed; private prefill", extra={
-                        "event": "private_fallback", "request_id": request_id, "error": str(exc) or type(exc).__name__})
-                    self._counts["private_fallbacks"] += 1
+                    self._private_fallback(request_id, "shared prefill failed", exc, claim, ip)
                     shared = False
-                    claim.add(ip)  # the place computes the prefix too
             body = {"model": route.model, "prompt": tokens, "stream": True, "return_token_ids": True,
                     "stream_options": {"include_usage": True}, **sampling}
             if shared:
                 body["kv_transfer_params"] = {"agentshare": {"op": "load", "n": ip, "salt": salt}}
-                body["cache_salt"] = f"{_salt_tag(salt)}.ip{ip}"
-            elif route.card.is_base:
-                body["cache_salt"] = _salt_tag(salt)
-            else:
-                body["cache_salt"] = f"{_salt_tag(salt)}.private"
+            body["cache_salt"] = _cache_salt(salt, None if route.card.is_base else (ip if shared else 0))
             try:
                 await self._stream(stream, request_id, route, body, start, imported=ip if shared else 0,
                                    pin=remote_pin, reason=reason, pushed=pushed, claim=claim)
@@ -348,13 +348,10 @@ class VllmBackend:
                 if not (shared and exc.before_first_token):
                     raise
                 # the instance could not load the prefix (its connector failed the request):
-                # compute it privately, under the private salt, before anything reached the client
-                log.warning("prefix load failed; private prefill", extra={
-                    "event": "private_fallback", "request_id": request_id, "error": str(exc)})
-                self._counts["private_fallbacks"] += 1
-                claim.add(ip)
+                # compute it privately, before anything reached the client
+                self._private_fallback(request_id, "prefix load failed", exc, claim, ip)
                 del body["kv_transfer_params"]
-                body["cache_salt"] = f"{_salt_tag(salt)}.private"
+                body["cache_salt"] = _cache_salt(salt, 0)
                 await self._stream(stream, request_id, route, body, start, imported=0, reason=reason, claim=claim)
         except asyncio.CancelledError:
             raise
@@ -368,6 +365,13 @@ class VllmBackend:
             claim.release()
             if ip > 0:
                 self.store.unpin(pin)
+
+    def _private_fallback(self, request_id: str, why: str, exc: BaseException, claim: _Claim, ip: int) -> None:
+        """The request's prefix is computed by its own instance: logged, counted, and its place's load."""
+        log.warning(f"{why}; private prefill", extra={
+            "event": "private_fallback", "request_id": request_id, "error": str(exc) or type(exc).__name__})
+        self._counts["private_fallbacks"] += 1
+        claim.add(ip)
 
     def _blocks(self, tokens: list[int], salt: str) -> list[StoreBlock]:
         return prefix_blocks(tokens, family=self.family, salt=salt, block_size=self.block_size)
@@ -384,7 +388,7 @@ class VllmBackend:
             fut = asyncio.get_running_loop().create_future()
             self._prefills[flight] = fut
             try:
-                body = {"model": self.base_name, "prompt": prefix, "max_tokens": 1, "cache_salt": _salt_tag(salt),
+                body = {"model": self.base_name, "prompt": prefix, "max_tokens": 1, "cache_salt": _cache_salt(salt, None),
                         "kv_transfer_params": {"agentshare": {"op": "save", "n": len(prefix), "salt": salt}}}
                 r = await self._http.post(self.instances[BASE].url + "/v1/completions", json=body)
                 r.raise_for_status()
