@@ -147,11 +147,7 @@ def serve(
             raise typer.BadParameter("--engine vllm is disaggregated already (a base instance and decode "
                                      "instances); leave out --disaggregated")
         secret = _secret(cluster_secret_file) if node else None
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            raise typer.BadParameter("--engine vllm needs vLLM: pip install 'agentshare[vllm]' (CPUs) or "
-                                     "vllm (GPUs)") from None
+        _require_vllm("--engine vllm")
         from server.vllm.serve import VllmOptions, serve_vllm
 
         serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
@@ -226,10 +222,7 @@ def vllm_node(
     """Serve agents' vLLM instances on this host for a frontend on another (`serve --engine vllm --node URL`)."""
     from server.api.serve import config_from_options, parse_bytes
 
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise typer.BadParameter("vllm-node needs vLLM: pip install 'agentshare[vllm]' (CPUs) or vllm (GPUs)") from None
+    _require_vllm("vllm-node")
     from server.vllm.serve import VllmOptions, serve_node
 
     serve_node(config_from_options(locals()), VllmOptions(store_bytes=parse_bytes(kv_store),
@@ -265,6 +258,13 @@ def router(
     serve_router(config_from_options(locals()), worker,
                  _router_config(transfer_codec, transport, offload_threshold, bandwidth_aware, placement_policy),
                  secret=_secret(cluster_secret_file), admin_key=_admin_key(admin_key_file))
+
+
+def _require_vllm(what: str) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise typer.BadParameter(f"{what} needs vLLM: pip install 'agentshare[vllm]' (CPUs) or vllm (GPUs)") from None
 
 
 def _otel(on: bool) -> None:

@@ -11,16 +11,17 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.api.config import ServerConfig
 
 if TYPE_CHECKING:
     from server.cluster.auth import ClusterSecret
     from server.vllm.backend import VllmBackend
+    from server.vllm.launch import VllmInstances
     from server.vllm.node import Node
 
 log = logging.getLogger("agentshare.vllm")
@@ -56,106 +57,112 @@ def context_limit(model_dir: Path, dtype: str, kv_cache_bytes: int) -> int:
     return min(fits, max_context)
 
 
-def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions(), *, nodes: Sequence[str] = (),
-                  secret: ClusterSecret | None = None) -> VllmBackend:
-    """Plan and start the instances; the :class:`VllmBackend` that serves from them, and from the
-    agents of ``nodes`` (``agentshare vllm-node`` URLs, reached with ``secret``)."""
-    from transformers import AutoTokenizer
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One host's instances, planned and created (not started), with what they were planned from."""
 
+    model_dir: Path
+    family: str
+    max_context: int
+    instances: VllmInstances
+
+
+def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Planned:
     from server.engine.numerics import dtype_name, resolve_dtype
     from server.kv.family import family_digest
     from server.models.loader import default_model_dir
-    from server.vllm.backend import VllmBackend
     from server.vllm.launch import VllmInstances, plan_instances
-    from server.vllm.node import NodeClient
 
     model_dir = Path(config.model_dir) if config.model_dir else default_model_dir()
     dtype = dtype_name(resolve_dtype(config.dtype))
     family = family_digest(model_dir, kv_dtype=dtype)
     max_context = context_limit(model_dir, dtype, config.kv_cache_bytes)
     plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
-                          lora_instances=options.lora_instances, enforce_eager=options.enforce_eager)
+                          lora_instances=options.lora_instances, enforce_eager=options.enforce_eager,
+                          with_base=with_base)
     for spec in plan:
         log.info("plan", extra={"event": "vllm_plan", "instance": spec.name, "agents": ",".join(spec.modules),
                                 "compile": spec.compile})
     instances = VllmInstances(plan, dtype=dtype, max_model_len=max_context, capacity_bytes=options.store_bytes,
                               family=family, kv_cache_bytes=config.kv_cache_bytes)
+    return _Planned(model_dir, family, max_context, instances)
+
+
+def start_backend(config: ServerConfig, options: VllmOptions = VllmOptions(), *, nodes: Sequence[str] = (),
+                  secret: ClusterSecret | None = None) -> VllmBackend:
+    """Plan and start the instances; the :class:`VllmBackend` that serves from them, and from the
+    agents of ``nodes`` (``agentshare vllm-node`` URLs, reached with ``secret``)."""
+    from transformers import AutoTokenizer
+
+    from server.vllm.backend import VllmBackend
+    from server.vllm.node import NodeClient
+
+    if nodes and secret is None:
+        raise ValueError("--node needs the cluster secret the nodes were given: --cluster-secret-file PATH")
+    p = _plan(config, options, with_base=True)
     clients: list[NodeClient] = []
     try:
-        instances.start(timeout=options.start_timeout)
-        if nodes and secret is None:
-            raise ValueError("--node needs the cluster secret the nodes were given: --cluster-secret-file PATH")
+        p.instances.start(timeout=options.start_timeout)
         for i, url in enumerate(nodes):
             assert secret is not None
             clients.append(NodeClient.connect(url, secret, name=f"node-{i}", timeout=options.start_timeout))
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return VllmBackend(instances, tokenizer=tokenizer, family=family, modules=dict(config.modules),
-                           max_context=max_context, base_name=config.base_name, nodes=clients,
+        tokenizer = AutoTokenizer.from_pretrained(p.model_dir)
+        return VllmBackend(p.instances, tokenizer=tokenizer, family=p.family, modules=dict(config.modules),
+                           max_context=p.max_context, base_name=config.base_name, nodes=clients,
                            placement_policy=options.placement_policy)
     except BaseException:
         for c in clients:
             c.close()
-        instances.close()
+        p.instances.close()
         raise
 
 
 def start_node(config: ServerConfig, options: VllmOptions, *, secret: ClusterSecret, kv_host: str,
                kv_port: int = 0, advertise: str | None = None) -> Node:
     """Plan and start a node's instances (its agents, no base) and open their store."""
-    from server.engine.numerics import dtype_name, resolve_dtype
-    from server.kv.family import family_digest
-    from server.models.loader import default_model_dir
-    from server.vllm.launch import VllmInstances, plan_instances
     from server.vllm.node import Node
     from server.vllm.store import open_store
 
     if not config.modules:
         raise ValueError("a vllm node serves agents: give it at least one --module NAME=PATH")
-    model_dir = Path(config.model_dir) if config.model_dir else default_model_dir()
-    dtype = dtype_name(resolve_dtype(config.dtype))
-    family = family_digest(model_dir, kv_dtype=dtype)
-    plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
-                          lora_instances=options.lora_instances, enforce_eager=options.enforce_eager,
-                          with_base=False)
-    for spec in plan:
-        log.info("plan", extra={"event": "vllm_plan", "instance": spec.name, "agents": ",".join(spec.modules),
-                                "compile": spec.compile})
-    instances = VllmInstances(plan, dtype=dtype, max_model_len=context_limit(model_dir, dtype, config.kv_cache_bytes),
-                              capacity_bytes=options.store_bytes, family=family, kv_cache_bytes=config.kv_cache_bytes)
+    p = _plan(config, options, with_base=False)
     try:
-        instances.start(timeout=options.start_timeout)
-        store, facts = open_store(instances.store.root, capacity_bytes=options.store_bytes, role="node")
-        return Node(instances, store, facts, family=family, modules=dict(config.modules), secret=secret,
+        p.instances.start(timeout=options.start_timeout)
+        store, facts = open_store(p.instances.store.root, capacity_bytes=options.store_bytes, role="node")
+        return Node(p.instances, store, facts, family=p.family, modules=dict(config.modules), secret=secret,
                     kv_host=kv_host, kv_port=kv_port, advertise=advertise)
     except BaseException:
-        instances.close()
+        p.instances.close()
         raise
 
 
-def serve_node(config: ServerConfig, options: VllmOptions, *, secret: ClusterSecret, kv_port: int = 0,
-               advertise: str | None = None) -> None:
-    """``agentshare vllm-node``: serve a node's API on ``config.host:config.port`` (blocks)."""
+def _run(app: Any, config: ServerConfig, close: Callable[[], None]) -> None:
+    """Serve ``app`` until interrupted, then ``close`` (which stops the instances)."""
     import uvicorn
 
-    from server.api.logs import configure_logging
-    from server.vllm.node import create_node_app
-
-    configure_logging(config.log_level)
-    node = start_node(config, options, secret=secret, kv_host=config.host, kv_port=kv_port, advertise=advertise)
-    app = create_node_app(node)
+    # uvicorn re-raises the SIGTERM it caught; exit through Python so the instances are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
                     log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
     finally:
-        node.close()
+        close()
+
+
+def serve_node(config: ServerConfig, options: VllmOptions, *, secret: ClusterSecret, kv_port: int = 0,
+               advertise: str | None = None) -> None:
+    """``agentshare vllm-node``: serve a node's API on ``config.host:config.port`` (blocks)."""
+    from server.api.logs import configure_logging
+    from server.vllm.node import create_node_app
+
+    configure_logging(config.log_level)
+    node = start_node(config, options, secret=secret, kv_host=config.host, kv_port=kv_port, advertise=advertise)
+    _run(create_node_app(node), config, node.close)
 
 
 def serve_vllm(config: ServerConfig, options: VllmOptions = VllmOptions(), *, nodes: Sequence[str] = (),
                secret: ClusterSecret | None = None) -> None:
     """Serve until interrupted (blocks)."""
-    import uvicorn
-
     from server import tracing
     from server.api.app import create_app
     from server.api.logs import configure_logging
@@ -166,11 +173,4 @@ def serve_vllm(config: ServerConfig, options: VllmOptions = VllmOptions(), *, no
     for name, card in backend.facts.agents.items():
         log.info("agent", extra={"event": "agent", "agent": name, "kind": card.kind,
                                  "shares_prefill": card.shares_prefill, "reason": card.reason})
-    app = create_app(backend, config, owns_engine=True)
-    # uvicorn re-raises the SIGTERM it caught; exit through Python so the instances are stopped
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
-                    log_level=config.log_level.lower(), timeout_graceful_shutdown=5)
-    finally:
-        backend.close()
+    _run(create_app(backend, config, owns_engine=True), config, backend.close)
