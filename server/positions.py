@@ -66,6 +66,11 @@ class KeyedModule(ModuleFacts, Protocol):
         """The owner of the module's KV namespace (its weights and manifest, hashed)."""
         ...
 
+    @property
+    def recompute_layers(self) -> int:
+        """Top layers whose prefix KV it recomputes from the base's hidden state (0: none)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Facts:
@@ -77,6 +82,7 @@ class Facts:
     is_base: bool = False
     shares_prefill: bool = False
     placement: Placement | str = Placement.TURN
+    recompute_layers: int = 0
 
 
 BASE = Facts("base", is_base=True, shares_prefill=True)
@@ -98,6 +104,23 @@ def shared_prefix_len(prompt: Prompt, module: ModuleFacts, *, block_size: int) -
     return invocation_point(prompt, module) // block_size * block_size
 
 
+def split_layer(module: KeyedModule, num_layers: int) -> int:
+    """The first layer a module computes itself over positions before its IP: ``num_layers``
+    when it reads the base's KV of every layer, ``num_layers - k`` when it recomputes its top
+    ``k`` (the layer split): below it the positions are the base's (its KV and its hidden
+    state), from it on the module's, fed the base's hidden state at that depth.
+
+    >>> split_layer(Facts("m", "d" * 64, shares_prefill=True, recompute_layers=8), 30)
+    22
+    >>> split_layer(BASE, 30)
+    30
+    """
+    k = module.recompute_layers if module.shares_prefill and not module.is_base else 0
+    if not 0 <= k <= num_layers:
+        raise ValueError(f"{module.name}: recompute_layers {k} is outside 0..{num_layers}")
+    return num_layers - k
+
+
 def layout(
     module: KeyedModule, ip: int, *, family: str, salt: str = "", prefix_codec: str | None = None,
     share_prefill: bool = True,
@@ -116,4 +139,9 @@ def layout(
         family_ns = family_ns.lossy(prefix_codec)
     if module.is_base:
         return Layout(family_ns)
-    return Layout(family_ns, Namespace.module(module.digest, invocation_point=ip, salt=salt))
+    split = None
+    if module.recompute_layers and module.shares_prefill:  # its prefix blocks hold its own top layers
+        split = Namespace.split(module.digest, recompute_layers=module.recompute_layers, salt=salt)
+        if prefix_codec is not None:
+            split = split.lossy(prefix_codec)
+    return Layout(family_ns, Namespace.module(module.digest, invocation_point=ip, salt=salt), split)

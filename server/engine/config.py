@@ -63,6 +63,8 @@ class EngineStats:
     exported_cached_tokens: int = 0  # exported prefills' positions found in this pool
     base_rows: int = 0  # positions computed with the base weights (prefill and decode)
     module_rows: int = 0  # positions computed with a module's weights (LoRA or full)
+    recomputed_prefix_tokens: int = 0  # prefix positions a layer-split module filled: its top layers only
+    split_saved_layer_rows: int = 0  # of those, the (position, layer) pairs it read from the family's blocks
     decode_tokens: int = 0
     steps: int = 0
     finished: int = 0

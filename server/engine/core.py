@@ -79,8 +79,12 @@ class EngineCore:
         self.tokenizer, self.family, self.config = tokenizer, family, config
         self.modules = dict(modules)
         self._base_name = next((n for n, m in self.modules.items() if m.is_base), "")
+        shape = forward.weights.shape
+        self.split_layers = {n: positions.split_layer(m, shape.num_layers) for n, m in self.modules.items()}
         self.kv = KVStorage.from_budget(
-            forward.kv_spec(), budget_bytes=config.kv_cache_bytes, block_size=config.block_size
+            forward.kv_spec(), budget_bytes=config.kv_cache_bytes, block_size=config.block_size,
+            hidden_depths=tuple(sorted({s for s in self.split_layers.values() if 0 < s < shape.num_layers})),
+            hidden_width=shape.hidden_size,
         )
         self.pool = BlockPool(self.kv.num_blocks, config.block_size, bytes_per_block=self.kv.bytes_per_block)
         self.max_context = forward.weights.shape.max_context
@@ -179,6 +183,8 @@ class EngineCore:
             TextStream(self.tokenizer, params.stop), None if params.greedy else params.generator(),
             capacity, exported=exported, matcher=matcher,
         )
+        split = self.split_layers[module]
+        seq.split_layer = split if split < self.forward.weights.shape.num_layers else None
         self.waiting.append(seq)
         if not exported:
             self.stats.prompt_tokens += n
@@ -207,6 +213,26 @@ class EngineCore:
             raise UnknownModule(module, list(self.modules))
         _, layout = self._layout(m, prompt, salt, prefix_codec)
         return self.pool.match(list(prompt.token_ids), layout)
+
+    def explain_split(self, module: str, prompt: Prompt, *, salt: str = "") -> tuple[int, int]:
+        """For a layer-split module: its recomputed layers, and how many of this prompt's prefix
+        blocks past its own cached ones it would fill from the family's cache (their lower
+        layers read, its top layers recomputed). ``(0, 0)`` for any other module."""
+        m = self.modules.get(module)
+        if m is None:
+            raise UnknownModule(module, list(self.modules))
+        split = self.split_layers[module]
+        k = self.forward.weights.shape.num_layers - split
+        if not k or split not in self.kv.hidden:
+            return k, 0
+        ip, layout = self._layout(m, prompt, salt)
+        bs, tokens = self.config.block_size, list(prompt.token_ids)
+        first, end = len(self.pool.match(tokens, layout).block_ids), ip // bs
+        fam = self.pool.match(tokens[: end * bs], Layout(layout.family)).block_ids
+        n = first
+        while n < min(end, len(fam)) and self.scheduler.has_hidden(fam[n]):
+            n += 1
+        return k, max(0, n - first)
 
     def add_context(
         self, context_id: str, token_ids: SequenceOf[int], *, ttl: float, salt: str = "", module: str | None = None,

@@ -58,23 +58,33 @@ class LlamaForward:
 
     @torch.inference_mode()
     def __call__(
-        self, plan: StepPlan, kv: KVStorage, *, projection: Projection | None = None
+        self, plan: StepPlan, kv: KVStorage, *, projection: Projection | None = None,
+        first_layer: int = 0, hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step: writes the step's K/V into ``kv``; returns logits [rows, vocab] (fp32
         if the weights are fp32, else their dtype) for ``plan.logit_rows``.
 
         ``projection`` overrides the forward's own for this step (e.g. a per-row LoRA one).
+        ``first_layer`` / ``hidden``: start at that layer from these input rows [T, hidden]
+        instead of from the tokens (a layer-split module recomputing its top layers from the
+        base's hidden state); the K/V of the layers below are not touched. The input of every
+        layer in ``kv.hidden`` is kept at the step's slots.
         """
         w, s = self.weights, self.weights.shape
         if kv.spec != self.kv_spec():
             raise ValueError(f"KV storage {kv.spec} does not fit this model ({self.kv_spec()})")
         if int(plan.positions.max()) >= s.max_context:
             raise ValueError(f"position {int(plan.positions.max())} beyond the context of {s.max_context}")
+        if (first_layer > 0) != (hidden is not None) or not 0 <= first_layer < s.num_layers:
+            raise ValueError(f"start at layer {first_layer} of {s.num_layers} needs that layer's input, and only then")
         project = projection or self.projection
         cos, sin = self.rope.tables(plan.positions, w.dtype)
-        h = F.embedding(plan.token_ids, w.embed)
-        for i, layer in enumerate(w.layers):
-            h = self._layer(i, layer, h, cos, sin, plan, kv, project)
+        h = F.embedding(plan.token_ids, w.embed) if hidden is None else hidden.to(w.dtype)
+        for i in range(first_layer, s.num_layers):
+            keep = kv.hidden.get(i)
+            if keep is not None:
+                keep.index_copy_(0, plan.write_slots, h)
+            h = self._layer(i, w.layers[i], h, cos, sin, plan, kv, project)
         if plan.logit_rows is not None:
             h = h.index_select(0, plan.logit_rows)
         h = rms_norm(h, w.final_norm, s.rms_norm_eps)

@@ -16,7 +16,7 @@ import torch
 
 from server.engine.kinds import kind_of
 from server.engine.weights import ModelShape
-from server.modules.registry import identify
+from server.modules.registry import ModuleLoadError, identify
 from server.prompt import Placement
 
 
@@ -38,6 +38,9 @@ class DecodeModule:
     """What its kind loaded: LoRA deltas by (layer, projection), a full model's weights, or
     None for the base."""
     reason: str = ""  # why a module does or does not share (for logs and /v1/agents)
+    recompute_layers: int = 0
+    """Top layers whose prefix KV it recomputes from the base's hidden state below them (the
+    layer split; 0: it reads the base's KV of every layer)."""
 
     @property
     def is_base(self) -> bool:
@@ -62,6 +65,9 @@ def load_module(
     if found.kind == "base":
         return DecodeModule(name, "base", family, True, found.placement, reason="the base")
     kind = kind_of(found.kind)
+    if found.recompute_layers > shape.num_layers:
+        raise ModuleLoadError(f"module {name!r}: recompute_layers {found.recompute_layers} exceeds the "
+                              f"base's {shape.num_layers} layers")
     weights = kind.load(Path(path), name=name, shape=shape, dtype=dtype)
     return DecodeModule(name, kind.name, found.digest, found.shares_prefill, found.placement,
-                        weights=weights, reason=found.reason)
+                        weights=weights, reason=found.reason, recompute_layers=found.recompute_layers)

@@ -181,3 +181,30 @@ class RowDeltaProjection:
             cols = torch.tensor(owner, dtype=self._row_slot.dtype, device=self._row_slot.device)
             mask = self._masks[key] = (self._row_slot[:, None] == cols[None, :]).to(dtype)
         return mask
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSplitProjection:
+    """Per-row adapters that change with depth: ``parts[j] = (first layer, projection)``, in
+    ascending order of first layer; a layer uses the last part that starts at or below it (the
+    lm_head, layer -1, the deepest). A layer-split module's prefix rows take the base weights
+    below its split and its own from the split on.
+
+    >>> import torch
+    >>> from server.engine.weights import Linear
+    >>> d = {(0, layer, "o"): [LowRank(a=torch.eye(1, 2), b=torch.ones(2, 1))] for layer in range(3)}
+    >>> p = LayerSplitProjection(((0, RowDeltaProjection(torch.tensor([-1]), d)),
+    ...                           (2, RowDeltaProjection(torch.tensor([0]), d))))
+    >>> [p(torch.ones(1, 2), Linear(torch.zeros(2, 2)), layer=i, name="o")[0, 0].item() for i in range(3)]
+    [0.0, 0.0, 1.0]
+    """
+
+    parts: tuple[tuple[int, Projection], ...]
+
+    def __call__(self, x: torch.Tensor, linear: Linear, *, layer: int, name: str) -> torch.Tensor:
+        chosen = self.parts[0][1]
+        for first, projection in self.parts[1:]:
+            if layer >= 0 and layer < first:
+                break
+            chosen = projection
+        return chosen(x, linear, layer=layer, name=name)

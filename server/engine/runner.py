@@ -6,6 +6,12 @@
                    the base's call: the base's rows, every LoRA row (its deltas per row,
                                     from the invocation point on), full modules' rows < IP
                    a full module's own call: its rows at or after the IP
+                   a fill call per split layer S: layer-split modules' prefix rows whose
+                                    lower layers the family computed: layers S.. only
+
+A layer-split LoRA module (``recompute_layers = k``, split ``S = L - k``) takes its deltas on
+its rows before the IP too, from layer S on. In a fill call those rows copy the family block's
+K/V of layers < S and start at layer S from the hidden state the base kept there.
 
 A shared prefix (leading consecutive blocks of a shared context, already written) is read once
 for every request of the step that starts with it. The runner counts the rows it computes with
@@ -24,7 +30,7 @@ from server.engine.config import EngineStats
 from server.engine.forward import LlamaForward
 from server.engine.kinds import kind_of
 from server.engine.modules import DecodeModule
-from server.engine.projection import LoraBank, LowRank, Projection, RowDeltaProjection
+from server.engine.projection import LayerSplitProjection, LoraBank, LowRank, Projection, RowDeltaProjection
 from server.engine.scheduler import WorkItem
 from server.engine.sequence import Phase, Sequence
 from server.kv.storage import KVStorage
@@ -61,20 +67,45 @@ class ModelRunner:
 
     def run(self, work: list[WorkItem]) -> list[torch.Tensor]:
         """Logits of the last row of each work item, in order."""
-        calls: dict[str | None, list[int]] = {}
+        calls: dict[str | int | None, list[int]] = {}  # None: the base's; a name: a full module's; S: a fill
         for i, (seq, start, _) in enumerate(work):
             own = kind_of(seq.module.kind).own_forward and start >= seq.invocation_point
-            calls.setdefault(seq.module.name if own else None, []).append(i)
+            key: str | int | None = seq.module.name if own else None
+            if start < seq.fill_end:
+                assert seq.split_layer is not None
+                key = seq.split_layer
+            calls.setdefault(key, []).append(i)
         out: list[torch.Tensor | None] = [None] * len(work)
-        for name, idx in calls.items():
+        for key, idx in calls.items():
             items = [work[i] for i in idx]
             plan = plan_step([self._chunk(*it) for it in items], block_size=self.block_size)
-            fwd = self.forward if name is None else self._own[name]
-            logits = fwd(plan, self.kv, projection=self._projection(items) if name is None else None)
+            if isinstance(key, int):
+                logits = self._fill(plan, items, key)
+            elif key is None:
+                logits = self.forward(plan, self.kv, projection=self._projection(items))
+            else:
+                logits = self._own[key](plan, self.kv)
             for i, row in zip(idx, logits, strict=True):
                 out[i] = row
-            self._count_rows(items, base_call=name is None)
+            self._count_rows(items, call="fill" if isinstance(key, int) else "base" if key is None else "own")
         return out  # type: ignore[return-value]  # every index was filled by its call
+
+    def _fill(self, plan: Any, items: list[WorkItem], split: int) -> torch.Tensor:
+        """Layer-split rows over the family's blocks: copy their K/V below ``split``, then run
+        layers ``split..`` from the hidden state the base kept there."""
+        src, dst = [], []
+        for seq, start, n in items:
+            family = self.kv.slots(seq.fill_blocks)
+            src.append(family[start - seq.fill_start : start + n - seq.fill_start])
+            assert seq.slot_table is not None
+            dst.append(seq.slot_table[start : start + n])
+        s, d = torch.cat(src), torch.cat(dst)
+        for layer in range(split):
+            self.kv.k[layer].index_copy_(1, d, self.kv.k[layer].index_select(1, s))
+            self.kv.v[layer].index_copy_(1, d, self.kv.v[layer].index_select(1, s))
+        rows = torch.cat([torch.full((n,), seq.module_index) for seq, _, n in items])
+        return self.forward(plan, self.kv, projection=RowDeltaProjection(rows, self._lora),
+                            first_layer=split, hidden=self.kv.hidden[split].index_select(0, s))
 
     def _chunk(self, seq: Sequence, start: int, n: int) -> Chunk:
         bs = self.block_size
@@ -88,17 +119,31 @@ class ModelRunner:
     def _projection(self, items: list[WorkItem]) -> Projection | None:
         if not any(seq.module_index >= 0 for seq, _, _ in items):
             return None
-        rows = []
-        for seq, start, n in items:
-            pos = torch.arange(start, start + n)
-            rows.append(torch.where(pos >= seq.invocation_point, seq.module_index, -1) if seq.module_index >= 0
-                        else torch.full((n,), -1))
-        return RowDeltaProjection(torch.cat(rows), self._lora)
+        splits = sorted({seq.split_layer for seq, start, _ in items
+                         if seq.split_layer is not None and start < seq.invocation_point})
+        parts: list[tuple[int, Projection]] = []
+        for depth in [0, *splits]:  # the rows' modules from this layer on
+            rows = []
+            for seq, start, n in items:
+                if seq.module_index < 0:
+                    rows.append(torch.full((n,), -1))
+                    continue
+                pos = torch.arange(start, start + n)
+                own = pos >= seq.invocation_point
+                if seq.split_layer is not None and depth >= seq.split_layer:
+                    own = torch.ones_like(own)  # its prefix rows too, from its split on
+                rows.append(torch.where(own, seq.module_index, -1))
+            parts.append((depth, RowDeltaProjection(torch.cat(rows), self._lora)))
+        return parts[0][1] if len(parts) == 1 else LayerSplitProjection(tuple(parts))
 
-    def _count_rows(self, items: list[WorkItem], *, base_call: bool) -> None:
+    def _count_rows(self, items: list[WorkItem], *, call: str) -> None:
+        base_call = call == "base"
         for seq, start, n in items:
+            if call == "fill":  # the module's top layers only; the family computed the rest
+                self.stats.recomputed_prefix_tokens += n
+                self.stats.split_saved_layer_rows += n * (seq.split_layer or 0)
             if not base_call:
-                module = n  # a module's own call
+                module = n  # a module's own call, or a fill
             elif seq.module_index >= 0:  # delta rows from the IP on
                 module = max(0, start + n - max(start, seq.invocation_point))
             else:

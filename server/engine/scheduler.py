@@ -14,6 +14,14 @@ Per step: one token for every decoding request first, then prefill chunks in arr
 within ``max_step_tokens`` (chunked prefill; ``max_prefill_step_tokens`` when nothing decodes).
 A module whose rows run in their own forward (a full fine-tune) has its chunk cut at the
 invocation point, so base rows and module rows never share a chunk. No request is preempted: admission reserves all it will need.
+
+A layer-split module (``recompute_layers``) keeps its prefix blocks in its own namespace. Those
+it misses are *filled* where the family's cache holds the same blocks, computed here (so their
+hidden state at the split is kept): admission holds those family blocks (waiting for them if
+this engine is still computing them), the runner copies their lower layers' K/V and recomputes
+only the top layers from their hidden state, and their chunks stop at the end of the fill.
+Prefix blocks the family's cache lacks, the module computes itself, base weights below the
+split, its own above: the same KV, at the price of the lower layers.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import TypeVar
 from server.engine.config import EngineConfig, EngineStats
 from server.engine.kinds import kind_of
 from server.engine.sequence import Phase, Sequence
-from server.kv.keys import Layout
+from server.kv.keys import Layout, NamespaceKind
 from server.kv.pool import BlockPool, BlockState, PrefixMatch
 from server.kv.storage import KVStorage
 from server.prompt import Prompt
@@ -45,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.imported: dict[int, int] = {}  # block -> its generation when imported, until first read
+        self.hidden_kept: dict[int, int] = {}  # family block -> generation whose hidden state this engine wrote
+        self.computing_here: set[int] = set()  # blocks a request here registered and has not written yet
 
     @property
     def has_work(self) -> bool:
@@ -94,6 +104,7 @@ class Scheduler:
         self.pool.acquire(match, reader=seq.module.name)
         fresh = self.pool.allocate(need, contiguous=True)
         self.pool.register(match, fresh, prompt, seq.layout, computed_by=seq.module.name)
+        self.computing_here.update(b for b in fresh if self.pool.block(b).state is BlockState.COMPUTING)
         seq.blocks = [*match.block_ids, *fresh]
         seq.slot_table = self.kv.slots(seq.blocks)[: seq.capacity]
         limit, run = min(seq.prompt.context_len // bs, len(seq.blocks)), 0
@@ -105,7 +116,43 @@ class Scheduler:
         seq.num_committed_blocks = len(match.block_ids)
         seq.phase, seq.admitted_at = Phase.PREFILL, time.monotonic()
         self._count_cached(seq, +1)
+        if seq.split_layer is not None:
+            self._plan_fill(seq, prompt)
         return True
+
+    def _plan_fill(self, seq: Sequence, prompt: list[int]) -> None:
+        """Hold the family's blocks that can fill ``seq``'s missed prefix blocks: from its first
+        miss, the run of family blocks this engine computed (their hidden state kept), ready or
+        still being computed here (then ``seq`` waits for them)."""
+        bs, ip = self.config.block_size, seq.invocation_point
+        first, end = seq.num_computed // bs, ip // bs
+        if first >= end or seq.split_layer not in self.kv.hidden:
+            return
+        fam = self.pool.match(prompt[: end * bs], Layout(seq.layout.family))
+        usable = first
+        while usable < len(fam.block_ids) and self.has_hidden(fam.block_ids[usable]):
+            usable += 1
+        if usable == first:
+            return
+        ids = fam.block_ids[first:usable]
+        pending = tuple(b for b in fam.pending if b in ids)
+        self.pool.acquire(PrefixMatch(fam.keys[first:usable], ids, pending, bs), reader=seq.module.name)
+        seq.fill_blocks, seq.fill_start, seq.fill_end = list(ids), first * bs, usable * bs
+        seq.pending = (*seq.pending, *pending)
+
+    def has_hidden(self, block_id: int) -> bool:
+        """Whether a family block's hidden state was written here (computed here, not imported),
+        or will be (this engine is computing it)."""
+        b = self.pool.block(block_id)
+        if b.state is BlockState.COMPUTING:
+            return block_id in self.computing_here
+        return b.state is BlockState.READY and self.hidden_kept.get(block_id) == b.generation
+
+    def fill_done(self, seq: Sequence) -> None:
+        """``seq`` is past its fill: let go of the family blocks it read."""
+        if seq.fill_blocks:
+            self.pool.release(seq.fill_blocks)
+            seq.fill_blocks = []
 
     def mark_imported(self, block_ids: list[int]) -> None:
         """These blocks arrive over a link: the first request served here that reads one counts
@@ -169,6 +216,8 @@ class Scheduler:
             n = min(budget, seq.prompt_len - start)
             if kind_of(seq.module.kind).own_forward and start < seq.invocation_point:
                 n = min(n, seq.invocation_point - start)  # base rows and module rows run apart
+            if start < seq.fill_end:
+                n = min(n, seq.fill_end - start)  # filled rows start at the split: a call of their own
             work.append((seq, start, n))
             budget -= n
         return work
@@ -178,8 +227,17 @@ class Scheduler:
         seq.num_computed = upto
         full = min(upto // self.config.block_size, len(seq.blocks))
         if full > seq.num_committed_blocks:
-            self.pool.commit(seq.blocks[seq.num_committed_blocks : full])
+            done = seq.blocks[seq.num_committed_blocks : full]
+            self.pool.commit(done)
+            self.computing_here.difference_update(done)
             seq.num_committed_blocks = full
+            if self.kv.hidden:
+                for bid in done:  # computed here: their hidden state at every split depth is written
+                    b = self.pool.block(bid)
+                    if b.namespace is not None and b.namespace.kind is NamespaceKind.FAMILY:
+                        self.hidden_kept[bid] = b.generation
+        if upto >= seq.fill_end:
+            self.fill_done(seq)
 
     # ---- the end ---------------------------------------------------------------------------
 
@@ -201,6 +259,9 @@ class Scheduler:
                 queue.remove(seq)
 
     def drop_blocks(self, seq: Sequence) -> None:
+        self.fill_done(seq)
+        seq.fill_start = seq.fill_end = 0
+        self.computing_here.difference_update(seq.blocks)
         own = len(seq.match.block_ids) if seq.match else 0
         for bid in seq.blocks[max(own, seq.num_committed_blocks) :]:
             if self.pool.block(bid).state is BlockState.COMPUTING:

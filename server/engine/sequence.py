@@ -123,6 +123,15 @@ class Sequence:
     first_token_time: float | None = None
     matcher: Matcher | None = None  # its place in its constraint's grammar (None: unconstrained)
     finish_reason: FinishReason | None = None
+    split_layer: int | None = None
+    """A layer-split module's split (``server/positions.py``): positions before the IP take the
+    base's KV below it and the module's own from it on. None: the base's KV of every layer."""
+    fill_blocks: list[int] = field(default_factory=list)
+    """The family's blocks (held) whose lower layers and hidden state a layer-split request
+    reuses for its prefix blocks from ``fill_start`` to ``fill_end``: it recomputes only its top
+    layers there (set at admission; released once those positions are written)."""
+    fill_start: int = 0
+    fill_end: int = 0
 
     def __post_init__(self) -> None:
         if not self.tokens:

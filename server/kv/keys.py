@@ -17,6 +17,9 @@ kind        identity                                   served to
 ==========  =========================================  ==========================================
 ``family``  (family digest, cache salt)                every module of the family
 ``module``  (module digest, invocation point, salt)    that module only (its next turns)
+``split``   (module digest, recompute layers, salt)    that module only: a layer-split module's
+                                                       prefix (base KV below the split, its own
+                                                       above), read again at every later turn
 lossy       any of the above + codec (e.g. ``int8``)   never as exact; only to lossy readers
 ==========  =========================================  ==========================================
 
@@ -53,6 +56,7 @@ _NS_TAG = b"agentshare/namespace/v1"
 class NamespaceKind(Enum):
     FAMILY = "family"
     MODULE = "module"
+    SPLIT = "split"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +75,8 @@ class Namespace:
 
     kind: NamespaceKind
     owner: str
-    """Family digest (``FAMILY``) or module digest (``MODULE``)."""
+    """Family digest (``FAMILY``), module digest (``MODULE``), or module digest and split
+    (``SPLIT``: ``<digest>/recompute-<k>``)."""
     salt: str = ""
     """Cache salt: one per tenant (API key). The empty string is the single default tenant."""
     invocation_point: int | None = None
@@ -87,7 +92,7 @@ class Namespace:
             if self.invocation_point is None or self.invocation_point < 0:
                 raise ValueError("a module namespace needs an invocation point >= 0")
         elif self.invocation_point is not None:
-            raise ValueError("a family namespace has no invocation point")
+            raise ValueError(f"a {self.kind.value} namespace has no invocation point")
         parts = [
             _NS_TAG,
             self.kind.value.encode(),
@@ -107,6 +112,15 @@ class Namespace:
     @classmethod
     def module(cls, module_digest: str, *, invocation_point: int, salt: str = "") -> Namespace:
         return cls(NamespaceKind.MODULE, module_digest, salt, invocation_point)
+
+    @classmethod
+    def split(cls, module_digest: str, *, recompute_layers: int, salt: str = "") -> Namespace:
+        """The prefix blocks of a module that recomputes its top ``recompute_layers`` layers:
+        every position in them is before the IP, so they do not depend on where the IP sits
+        (a later turn, whose IP is further on, reads them again)."""
+        if recompute_layers <= 0:
+            raise ValueError(f"a split namespace recomputes at least one layer, got {recompute_layers}")
+        return cls(NamespaceKind.SPLIT, f"{module_digest}/recompute-{recompute_layers}", salt)
 
     def lossy(self, codec: str) -> Namespace:
         """The namespace of this namespace's blocks after a lossy transfer through ``codec``."""
@@ -152,10 +166,15 @@ class Layout:
 
     family: Namespace
     module: Namespace | None = None
+    prefix: Namespace | None = None
+    """A ``SPLIT`` namespace for the blocks before the IP (None: they are the family's)."""
 
     def __post_init__(self) -> None:
         if self.family.kind is not NamespaceKind.FAMILY:
             raise ValueError("Layout.family must be a family namespace")
+        if self.prefix is not None and (self.prefix.kind is not NamespaceKind.SPLIT or self.module is None
+                                        or self.prefix.salt != self.family.salt):
+            raise ValueError("Layout.prefix must be a split namespace of the module's tenant")
         if self.module is not None:
             if self.module.kind is not NamespaceKind.MODULE:
                 raise ValueError("Layout.module must be a module namespace")
@@ -168,8 +187,10 @@ class Layout:
 
     def namespace_of(self, block_index: int, *, block_size: int) -> Namespace:
         ip = self.invocation_point
-        if ip is None or (block_index + 1) * block_size <= ip:
+        if ip is None:
             return self.family
+        if (block_index + 1) * block_size <= ip:
+            return self.prefix or self.family
         return self.module  # type: ignore[return-value]  # ip is not None => module is set
 
     def block_keys(

@@ -7,6 +7,10 @@ One K and one V tensor per layer, each laid out head-major over token *slots*::
 
 so a run of consecutive block ids is one strided view (``k[layer][:, s*B:e*B]``) that attention
 reads in place — the layout that lets the engine attend over a shared prefix without copying it.
+
+Beside the K/V, a pool that serves layer-split modules keeps the base's hidden state at each
+split depth, per slot (``hidden[depth] : [num_blocks * block_size, width]``): a module that
+recomputes its top layers over a shared prefix starts from it instead of from the tokens.
 The pool (``pool.py``) owns which block holds what; this module only owns memory.
 
 >>> import torch
@@ -53,18 +57,27 @@ class KVStorage:
     """Preallocated K/V tensors for ``num_blocks`` blocks of ``block_size`` tokens."""
 
     def __init__(
-        self, spec: KVSpec, num_blocks: int, block_size: int, device: str | torch.device = "cpu"
+        self, spec: KVSpec, num_blocks: int, block_size: int, device: str | torch.device = "cpu", *,
+        hidden_depths: tuple[int, ...] = (), hidden_width: int = 0,
     ) -> None:
+        """``hidden_depths``: layers whose input hidden state (``hidden_width`` wide) is kept per
+        slot for layer-split modules (empty: none)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if hidden_depths and (hidden_width <= 0 or not all(0 < d < spec.num_layers for d in hidden_depths)):
+            raise ValueError(f"hidden depths {hidden_depths} must lie in 1..{spec.num_layers - 1}, "
+                             f"with a positive width (got {hidden_width})")
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.bytes_per_block = spec.bytes_per_block(block_size)
+        self.hidden_width = hidden_width
+        self.bytes_per_block = self.block_bytes(spec, block_size, hidden_depths, hidden_width)
         shape = (spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
         try:
             self.k = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
             self.v = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+            self.hidden = {d: torch.zeros((num_blocks * block_size, hidden_width), dtype=spec.dtype, device=device)
+                           for d in sorted(set(hidden_depths))}
         except (RuntimeError, MemoryError) as exc:  # torch raises RuntimeError/OutOfMemoryError
             raise KVAllocationError(
                 f"could not allocate {num_blocks} KV blocks "
@@ -72,18 +85,26 @@ class KVStorage:
                 "lower the KV pool size"
             ) from exc
 
+    @staticmethod
+    def block_bytes(spec: KVSpec, block_size: int, hidden_depths: tuple[int, ...] = (), hidden_width: int = 0) -> int:
+        """Bytes of one block: its K/V, and its hidden states at the split depths."""
+        itemsize = torch.empty((), dtype=spec.dtype).element_size()
+        return spec.bytes_per_block(block_size) + len(set(hidden_depths)) * hidden_width * itemsize * block_size
+
     @classmethod
     def from_budget(
-        cls, spec: KVSpec, *, budget_bytes: int, block_size: int = 16, device: str | torch.device = "cpu"
+        cls, spec: KVSpec, *, budget_bytes: int, block_size: int = 16, device: str | torch.device = "cpu",
+        hidden_depths: tuple[int, ...] = (), hidden_width: int = 0,
     ) -> KVStorage:
-        """As many blocks as fit in ``budget_bytes``."""
-        num_blocks = budget_bytes // spec.bytes_per_block(block_size)
+        """As many blocks as fit in ``budget_bytes`` (hidden states included)."""
+        per_block = cls.block_bytes(spec, block_size, hidden_depths, hidden_width)
+        num_blocks = budget_bytes // per_block
         if num_blocks < 1:
             raise KVAllocationError(
                 f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens "
-                f"({spec.bytes_per_block(block_size)} bytes each); raise the KV pool size"
+                f"({per_block} bytes each); raise the KV pool size"
             )
-        return cls(spec, num_blocks, block_size, device)
+        return cls(spec, num_blocks, block_size, device, hidden_depths=hidden_depths, hidden_width=hidden_width)
 
     @property
     def total_bytes(self) -> int:

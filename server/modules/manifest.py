@@ -60,6 +60,9 @@ class Manifest:
     invocation: Placement = Placement.TURN
     lora: LoraSpec | None = None
     training: dict[str, Any] = field(default_factory=dict, compare=False)
+    recompute_layers: int = 0
+    """Top layers whose prefix KV the module recomputes from the base's hidden state below them
+    (trained with ``finetune --recompute``; 0: it reads the base's KV of every layer)."""
 
     def __post_init__(self) -> None:
         if not self.name or not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
@@ -70,10 +73,14 @@ class Manifest:
             raise ManifestError("a 'lora' module needs a 'lora' section, and only a lora module has one")
         if self.lora is not None and (self.lora.rank <= 0 or not self.lora.target_modules):
             raise ManifestError("lora.rank must be positive and lora.target_modules non-empty")
+        if not isinstance(self.recompute_layers, int) or self.recompute_layers < 0:
+            raise ManifestError(f"recompute_layers must be a whole number >= 0, got {self.recompute_layers!r}")
 
     def to_json(self) -> str:
         d = asdict(self)
         d = {"format": FORMAT, **d, "kind": self.kind.value, "invocation": self.invocation.value}
+        if not self.recompute_layers:
+            d.pop("recompute_layers")  # 0: a manifest as before the field existed (same digest)
         if self.lora is None:
             d.pop("lora")
         else:
@@ -101,6 +108,7 @@ class Manifest:
                     int(lora["rank"]), float(lora["alpha"]), tuple(lora["target_modules"])
                 ),
                 training=dict(d.get("training", {})),
+                recompute_layers=_whole(d.get("recompute_layers", 0), "recompute_layers"),
             )
         except KeyError as exc:
             raise ManifestError(f"{source}: missing field {exc.args[0]!r}") from exc
@@ -119,3 +127,9 @@ class Manifest:
         if not path.exists():
             return None
         return cls.from_json(path.read_text(), source=str(path))
+
+
+def _whole(value: Any, field_name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field_name} must be a whole number, got {value!r}")
+    return value

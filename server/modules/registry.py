@@ -16,6 +16,9 @@ module                                      positions < IP            positions 
 ==========================================  ===============================================
 the base                                    base (shared)             base
 manifest naming the serving family          base (shared)             the module
+  ... with ``recompute_layers: k``          base below layer L-k,     the module
+                                            the module above (its own
+                                            KV, from the base's state)
 no manifest, or another family              the module (private prefill, IP = 0)
 ==========================================  ===============================================
 """
@@ -44,6 +47,7 @@ class Identified:
     shares_prefill: bool
     placement: Placement
     reason: str
+    recompute_layers: int = 0  # top layers it recomputes over the shared prefix (0: none)
 
 
 def identify(path: Path | str, *, name: str, family: str) -> Identified:
@@ -70,7 +74,13 @@ def identify(path: Path | str, *, name: str, family: str) -> Identified:
     else:
         shares, reason = True, f"joins family {family[:12]}…"
     placement = manifest.invocation if manifest else Placement.TURN
-    return Identified(str(kind), digest, shares, placement, reason)
+    recompute = manifest.recompute_layers if manifest and shares else 0  # a private prefill computes all
+    if recompute and kind is not ModuleKind.LORA:
+        raise ModuleLoadError(f"module {name!r}: recompute_layers is served for lora modules only, "
+                              f"this one is {kind.value!r}; drop recompute_layers from its manifest")
+    if recompute:
+        reason += f", recomputes its top {recompute} layers over the prefix"
+    return Identified(str(kind), digest, shares, placement, reason, recompute)
 
 
 def _guess_kind(d: Path) -> ModuleKind | None:

@@ -31,15 +31,16 @@ def tiny_family(tiny_model_dir: Path) -> str:
 
 @pytest.fixture(scope="session")
 def make_lora(tiny_model_dir: Path, tiny_family: str, tmp_path_factory) -> Callable[..., Path]:
-    """``make_lora(name, seed, placement, manifest=True)``: a random (non-zero) peft LoRA adapter."""
+    """``make_lora(name, seed, placement, manifest=True, family=None, recompute_layers=0)``: a
+    random (non-zero) peft LoRA adapter."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     made: dict[tuple, Path] = {}
 
     def make(name: str, seed: int = 1, placement: Placement = Placement.TURN, manifest: bool = True,
-             family: str | None = None) -> Path:
-        key = (name, seed, placement, manifest, family)
+             family: str | None = None, recompute_layers: int = 0) -> Path:
+        key = (name, seed, placement, manifest, family, recompute_layers)
         if key in made:
             return made[key]
         torch.manual_seed(seed)
@@ -54,7 +55,7 @@ def make_lora(tiny_model_dir: Path, tiny_family: str, tmp_path_factory) -> Calla
         model.save_pretrained(d)
         if manifest:
             Manifest(name=name, kind=ModuleKind.LORA, family=family or tiny_family, invocation=placement,
-                     lora=LoraSpec(4, 8.0, LORA_TARGETS)).write(d)
+                     lora=LoraSpec(4, 8.0, LORA_TARGETS), recompute_layers=recompute_layers).write(d)
         made[key] = d
         return d
 
