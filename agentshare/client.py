@@ -65,6 +65,11 @@ class CacheExplanation:
     cached_blocks: int
     first_miss_block: int | None
     first_miss_token: int | None
+    recompute_layers: int = 0
+    """A layer-split agent's recomputed top layers (0: it reads the base's KV of every layer)."""
+    fill_blocks: int = 0
+    """Of the missed blocks, those a layer-split agent would fill from the shared prefill (its
+    top layers recomputed, the rest read)."""
 
 
 class AsyncClient:
@@ -201,7 +206,8 @@ class AsyncClient:
             raise ValueError("explain: give messages, a prompt, or a context")
         e = protocol.Explanation.model_validate(await self._request("POST", "/v1/explain", body))
         return CacheExplanation(e.agent, e.shares_prefill, e.prompt_tokens, e.cached_tokens, e.block_size,
-                                e.blocks, e.cached_blocks, e.first_miss_block, e.first_miss_token)
+                                e.blocks, e.cached_blocks, e.first_miss_block, e.first_miss_token,
+                                e.recompute_layers, e.fill_blocks)
 
     async def metrics(self) -> ServerMetrics:
         """The server's counters now (prefill tokens computed vs cached since it started)."""

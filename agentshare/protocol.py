@@ -622,6 +622,7 @@ class AgentInfo(_Response):
     shares_prefill: bool
     placement: Literal["turn", "header"]
     reason: str = ""
+    recompute_layers: int = 0  # top layers it recomputes over the shared prefix (0: it reads the base's KV)
 
 
 class AgentList(_Response):
@@ -658,6 +659,8 @@ class Explanation(_Response):
     cached_tokens: int
     first_miss_block: int | None  # index of the first block not in cache (None: all hit)
     first_miss_token: int | None  # its first token position
+    recompute_layers: int = 0  # a layer-split agent's recomputed top layers (0: none)
+    fill_blocks: int = 0  # of the missed blocks, those it would fill from the family's cache (top layers only)
 
 
 class Health(_Response):

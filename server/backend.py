@@ -43,6 +43,7 @@ class AgentCard:
     shares_prefill: bool
     placement: str = "turn"
     reason: str = ""
+    recompute_layers: int = 0  # top layers it recomputes over the shared prefix (the layer split)
 
     @property
     def is_base(self) -> bool:
@@ -51,7 +52,7 @@ class AgentCard:
     def info(self) -> AgentInfo:
         return AgentInfo(name=self.name, kind=self.kind, family=self.family,
                          shares_prefill=self.shares_prefill, placement=self.placement,  # type: ignore[arg-type]
-                         reason=self.reason)
+                         reason=self.reason, recompute_layers=self.recompute_layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,7 @@ class EngineFacts:
     def of(cls, core: EngineCore) -> EngineFacts:
         agents = {
             name: AgentCard(name, str(m.kind), core.family if m.shares_prefill else None,
-                            m.shares_prefill, str(m.placement), m.reason)
+                            m.shares_prefill, str(m.placement), m.reason, m.recompute_layers)
             for name, m in core.modules.items()
         }
         return cls(core.family, agents, copy.deepcopy(core.tokenizer), core.config.block_size, core.max_context)
@@ -93,6 +94,8 @@ class EngineSnapshot:
     exported_prefill_tokens: int = 0
     exported_cached_tokens: int = 0
     decode_tokens: int = 0
+    recomputed_prefix_tokens: int = 0
+    split_saved_layer_rows: int = 0
     finished: int = 0
     hit_blocks: int = 0
     miss_blocks: int = 0
@@ -126,6 +129,7 @@ class EngineSnapshot:
             imported_prompt_tokens=s.imported_prompt_tokens, exported_prefill_tokens=s.exported_prefill_tokens,
             exported_cached_tokens=s.exported_cached_tokens,
             prefill_tokens=s.prefill_tokens, decode_tokens=s.decode_tokens, finished=s.finished,
+            recomputed_prefix_tokens=s.recomputed_prefix_tokens, split_saved_layer_rows=s.split_saved_layer_rows,
             hit_blocks=p.hit_blocks, miss_blocks=p.miss_blocks, inflight_hit_blocks=p.inflight_hit_blocks,
             cross_module_hit_blocks=p.cross_module_hit_blocks, evictions=p.evictions,
             blocks_capacity=u.capacity, blocks_free=u.free, blocks_held=u.held,
@@ -146,6 +150,11 @@ class CacheReport:
     block_size: int
     blocks: int
     cached_blocks: int
+    recompute_layers: int = 0
+    """A layer-split module's recomputed top layers (0: it reads every layer of the base's KV)."""
+    fill_blocks: int = 0
+    """Of the blocks past the cached ones, those a layer-split module would fill from the
+    family's cache: their lower layers read, only its top layers recomputed."""
 
     @property
     def cached_tokens(self) -> int:

@@ -6,10 +6,12 @@ router (:class:`server.cluster.router.ClusterBackend`) is the other implementati
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as SequenceOf
 
 from server.backend import CacheReport, EngineFacts, EngineSnapshot, EventSource, HealthReport
 from server.engine.async_engine import AsyncEngine
+from server.engine.core import EngineCore
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import TokenEvent
 from server.prompt import Prompt
@@ -34,7 +36,12 @@ class LocalBackend:
         return await self.engine.run(lambda core: core.release_context(context_id))
 
     async def explain(self, module: str, prompt: Prompt, *, salt: str = "") -> CacheReport:
-        return CacheReport.of(await self.engine.run(lambda core: core.explain(module, prompt, salt=salt)))
+        def explain(core: EngineCore) -> CacheReport:
+            k, fill = core.explain_split(module, prompt, salt=salt)
+            return dataclasses.replace(CacheReport.of(core.explain(module, prompt, salt=salt)),
+                                       recompute_layers=k, fill_blocks=fill)
+
+        return await self.engine.run(explain)
 
     async def snapshot(self) -> EngineSnapshot:
         return await self.engine.run(EngineSnapshot.of)

@@ -14,6 +14,9 @@ histograms are observed by the API as tokens stream out::
     agentshare_prefill_tokens_total{source="computed"|"cached"}   positions computed here (both
         roles: all the prefill work) vs prompt tokens not computed by their engine (reused + imported)
     agentshare_cache_blocks_total{outcome="hit"|"miss"|"inflight_hit"|"cross_module_hit"}
+    agentshare_split_prefix_tokens_total, agentshare_split_saved_layer_rows_total: prefix positions
+        layer-split modules filled from the family's blocks (their top layers recomputed), and the
+        (position, layer) pairs of those they read instead of computing: the prefill the split saved
     agentshare_kv_evictions_total, agentshare_kv_blocks{state=...}, agentshare_kv_bytes_held
     agentshare_requests_waiting, agentshare_requests_running, agentshare_contexts_pinned
     agentshare_time_to_first_token_seconds, agentshare_inter_token_latency_seconds,
@@ -82,6 +85,11 @@ class _EngineCollector(Collector):
             prefix.add_metric([role, source], v)
         yield prefix
         yield CounterMetricFamily("agentshare_decode_tokens", "Tokens generated", value=s.decode_tokens)
+        yield CounterMetricFamily("agentshare_split_prefix_tokens", "Prefix positions layer-split modules "
+                                  "filled from the family's blocks, recomputing their top layers only",
+                                  value=s.recomputed_prefix_tokens)
+        yield CounterMetricFamily("agentshare_split_saved_layer_rows", "(position, layer) pairs those fills "
+                                  "read from the family's blocks instead of computing", value=s.split_saved_layer_rows)
         blocks = CounterMetricFamily("agentshare_cache_blocks", "Prefix-cache lookups by outcome (blocks); "
                                      "cross_module_hit: served a block another module computed", labels=["outcome"])
         for outcome, v in (("hit", s.hit_blocks), ("miss", s.miss_blocks),

@@ -160,6 +160,7 @@ async def explain(body: ExplainRequest, request: Request, who: Caller) -> Explan
         block_size=report.block_size, blocks=report.blocks, cached_blocks=report.cached_blocks,
         cached_tokens=report.cached_tokens, first_miss_block=first,
         first_miss_token=None if first is None else first * report.block_size,
+        recompute_layers=report.recompute_layers, fill_blocks=report.fill_blocks,
     )
 
 

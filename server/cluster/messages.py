@@ -81,6 +81,8 @@ class WorkerStats(BaseModel):
     exported_prefill_tokens: int = 0
     exported_cached_tokens: int = 0
     decode_tokens: int = 0
+    recomputed_prefix_tokens: int = 0
+    split_saved_layer_rows: int = 0
     finished: int = 0
     waiting: int = 0
     running: int = 0

@@ -30,7 +30,13 @@ from server.engine.config import EngineStats
 from server.engine.forward import LlamaForward
 from server.engine.kinds import kind_of
 from server.engine.modules import DecodeModule
-from server.engine.projection import LayerSplitProjection, LoraBank, LowRank, Projection, RowDeltaProjection
+from server.engine.projection import (
+    LayerSplitProjection,
+    LoraBank,
+    LowRank,
+    Projection,
+    RowDeltaProjection,
+)
 from server.engine.scheduler import WorkItem
 from server.engine.sequence import Phase, Sequence
 from server.kv.storage import KVStorage

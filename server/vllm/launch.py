@@ -45,7 +45,7 @@ import httpx
 from server.backend import AgentCard
 from server.cluster.shm import shm_dir
 from server.modules.manifest import Manifest, ModuleKind
-from server.modules.registry import identify
+from server.modules.registry import Identified, identify
 from server.process import die_with_parent, free_port, wait_ready
 
 log = logging.getLogger("agentshare.vllm")
@@ -67,10 +67,21 @@ class InstanceSpec:
     compile: bool = True
 
 
+def _identify(path: Path, *, name: str, family: str) -> Identified:
+    """The module at ``path``, as the torch engine identifies it; one this engine cannot serve
+    exactly (the layer split) is refused."""
+    ident = identify(path, name=name, family=family)
+    if ident.recompute_layers:
+        raise ValueError(f"module {name!r} recomputes its top {ident.recompute_layers} layers over the prefix "
+                         "(recompute_layers in its manifest): the vllm engine cannot serve the layer split; "
+                         "serve it with the torch engine (agentshare serve without --engine vllm)")
+    return ident
+
+
 def agent_card(path: Path, *, name: str, family: str) -> AgentCard:
     """What clients may know of the agent whose module is at ``path`` (whether it shares the base's
     prefill, and why), as the torch engine says it."""
-    ident = identify(path, name=name, family=family)
+    ident = _identify(path, name=name, family=family)
     return AgentCard(name, ident.kind, family if ident.shares_prefill else None, ident.shares_prefill,
                      str(ident.placement), ident.reason)
 
@@ -91,7 +102,7 @@ def plan_instances(
     loras: list[tuple[str, Path, str | None]] = []
     full: list[tuple[str, Path, str | None]] = []
     for name, path in modules.items():
-        ident = identify(path, name=name, family=family)
+        ident = _identify(path, name=name, family=family)
         manifest = Manifest.read(Path(path))
         named = manifest.family if manifest is not None else None
         (loras if ident.kind == ModuleKind.LORA else full).append((name, Path(path), named))

@@ -60,3 +60,97 @@ def test_a_split_module_equals_the_training_reference(tiny_model_dir, smollm2_to
     # and it is not the module at full sharing: the recompute changed the logits
     plain = reference(tiny_model_dir, split_dirs[k], 0, list(prompt.token_ids) + list(FORCED[:-1]), ip, len(FORCED))
     assert (plain - want).abs().max() > 10 * ATOL
+
+
+def test_a_later_turn_reads_the_recomputed_prefix_again(tiny_model_dir, smollm2_tokenizer, split_dirs):
+    core, logits = engine(tiny_model_dir, {"m": split_dirs[1]})
+    first = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    core.add_context("ctx", first.token_ids[: first.context_len], ttl=60)
+    drain(core)
+    core.add_request("t1", "m", first, forced(2))
+    drain(core)
+    filled = core.stats.recomputed_prefix_tokens
+    assert filled > 0
+    later = chat_prompt(smollm2_tokenizer, CONTEXT, [*turn("Which item is 5?"),
+                                                     {"role": "assistant", "content": "Item 3."},
+                                                     *turn("And which is 6?")])
+    seq = core.add_request("t2", "m", later, forced())
+    drain(core)
+    ip = later.invocation_point(core.modules["m"].placement)
+    assert seq.cached_tokens == first.invocation_point(core.modules["m"].placement) // 16 * 16  # its own blocks
+    # nothing filled again: its earlier blocks hit, and the family's cache holds none of the
+    # first turn's (the module computed those), so it computes them itself
+    assert core.stats.recomputed_prefix_tokens == filled
+    want = reference(tiny_model_dir, split_dirs[1], 1, list(later.token_ids) + list(FORCED[:-1]), ip, len(FORCED))
+    assert torch.allclose(torch.stack(logits["t2"]), want, atol=ATOL)
+
+
+def test_a_split_never_fills_from_another_tenant(tiny_model_dir, smollm2_tokenizer, split_dirs):
+    core, _ = engine(tiny_model_dir, {"m": split_dirs[1]})
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    core.add_context("ctx", prompt.token_ids[: prompt.context_len], ttl=60, salt="tenant-a")
+    drain(core)
+    assert core.explain_split("m", prompt, salt="tenant-b") == (1, 0)
+    assert core.explain_split("m", prompt, salt="tenant-a")[1] == prompt.context_len // 16
+    seq = core.add_request("b", "m", prompt, forced(2), salt="tenant-b")
+    drain(core)
+    assert seq.cached_tokens == 0 and core.stats.recomputed_prefix_tokens == 0
+
+
+def test_imported_family_blocks_are_never_filled_from(tiny_model_dir, smollm2_tokenizer, split_dirs):
+    """Blocks that arrived over a link carry no hidden state: the split module computes its
+    prefix itself (the imported K/V here is garbage, so reading it would show)."""
+    from server.cluster.codec import KVChunk
+    from server.cluster.handoff import Inbound
+
+    core, logits = engine(tiny_model_dir, {"m": split_dirs[2]})
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    n = prompt.context_len // 16 * 16
+    inbound = Inbound.expect(core, "t", list(prompt.token_ids[:n]), salt="", prefix_codec=None, ttl=60)
+    spec = core.kv.spec
+    shape = (spec.num_layers, spec.num_kv_heads, n, spec.head_dim)
+    inbound.write(core, KVChunk(0, torch.randn(shape), torch.randn(shape)))
+    assert core.explain_split("m", prompt) == (2, 0)
+    core.add_request("r", "m", prompt, forced())
+    drain(core)
+    assert core.stats.recomputed_prefix_tokens == 0
+    ip = prompt.invocation_point(core.modules["m"].placement)
+    want = reference(tiny_model_dir, split_dirs[2], 2, list(prompt.token_ids) + list(FORCED[:-1]), ip, len(FORCED))
+    assert torch.allclose(torch.stack(logits["r"]), want, atol=ATOL)
+
+
+def test_other_modules_are_bitwise_unchanged_beside_a_split_one(tiny_model_dir, smollm2_tokenizer, make_lora,
+                                                                 split_dirs):
+    """k = 0 stays what it was: the same LoRA request, in an engine that also keeps hidden
+    states for a split module (and served it just before), gives the same logits bit for bit."""
+    plain = make_lora("plain", seed=3)
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    got = {}
+    for modules in ({"plain": plain}, {"plain": plain, "m": split_dirs[1]}):
+        core, logits = engine(tiny_model_dir, modules)
+        core.add_context("ctx", prompt.token_ids[: prompt.context_len], ttl=60)
+        drain(core)
+        if "m" in modules:
+            core.add_request("s", "m", prompt, forced())
+            drain(core)
+            assert core.kv.hidden and core.stats.recomputed_prefix_tokens > 0
+        core.add_request("r", "plain", prompt, forced())
+        drain(core)
+        got[len(modules)] = torch.stack(logits["r"])
+    assert torch.equal(got[1], got[2])
+
+
+def test_concurrent_agents_wait_for_the_family_prefill_and_fill_from_it(tiny_model_dir, smollm2_tokenizer,
+                                                                       make_lora, split_dirs):
+    """A plain agent and a split agent sent together on a cold context: the plain one's request
+    computes the family's blocks, the split one waits for them and fills from them."""
+    plain = make_lora("plain", seed=3)
+    core, logits = engine(tiny_model_dir, {"plain": plain, "m": split_dirs[1]})
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    core.add_request("a", "plain", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    core.add_request("b", "m", prompt, forced())
+    drain(core)
+    ip = prompt.invocation_point(core.modules["m"].placement)
+    assert core.stats.recomputed_prefix_tokens == ip // 16 * 16
+    want = reference(tiny_model_dir, split_dirs[1], 1, list(prompt.token_ids) + list(FORCED[:-1]), ip, len(FORCED))
+    assert torch.allclose(torch.stack(logits["b"]), want, atol=ATOL)
