@@ -75,6 +75,8 @@ def finetune(
     checkpoint_every: int = typer.Option(50), threads: int | None = typer.Option(None),
     standard: bool = typer.Option(False, help="train on the module's own prefill (no sharing, no manifest)"),
     layers: int = typer.Option(0, help="tune only the top N layers; the ones below stay the base's (0: all)"),
+    recompute: int = typer.Option(0, help="the module recomputes the shared prefix's KV of its top K layers "
+                                          "from the base's hidden state (the layer split; 0: none)"),
 ) -> None:
     """Fine-tune a decode module on the base model's KV (cache-conditioned); write it with its manifest."""
     from server.training.command import run_finetune

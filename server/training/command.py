@@ -28,7 +28,7 @@ from server.training.trainer import (
 )
 
 _DIRECT = ("rank", "alpha", "epochs", "batch_size", "lr", "max_length", "seed", "kv_dtype",
-           "family", "checkpoint_every", "threads", "layers")
+           "family", "checkpoint_every", "threads", "layers", "recompute")
 
 
 def config_from_options(opts: Mapping[str, Any]) -> FinetuneConfig:

@@ -12,8 +12,9 @@ The result is a module directory the engine loads without peft::
 
 ``cache_conditioned=False`` trains a *standard* module (its own prefill; the fidelity baseline):
 it gets no manifest, so a server gives it a private prefill instead of sharing the base's.
-``recompute=k`` (experimental) trains a module that recomputes the prefix KV of its top k layers
-from the base's hidden state; the engine cannot serve that yet, so it gets no manifest either.
+``recompute=k`` trains a LoRA module that recomputes the prefix KV of its top k layers from the
+base's hidden state at that depth (the layer split): its manifest says ``recompute_layers: k``,
+and the engine serves it so (the base's KV below the split, the module's own above it).
 ``layers=n`` tunes only the top n layers (LoRA on them, or only their weights for a full module):
 the lower layers stay the base's for every position — with ``recompute=n``, the split of the model
 at a layer boundary (lower layers frozen and shared, upper layers task-specific).
@@ -81,7 +82,7 @@ class FinetuneConfig:
     kv_dtype: str = "bfloat16"  # the dtype the server will keep the family's KV in
     family: str | None = None  # refuse a base whose family differs
     autocast: bool = False  # bf16 matmuls on CPU (faster; fp32 master weights)
-    recompute: int = 0  # experimental: module recomputes the prefix KV of its top k layers
+    recompute: int = 0  # the module recomputes the prefix KV of its top k layers (the layer split)
     layers: int = 0  # tune only the top n layers (0: all)
     checkpoint_every: int = 50  # steps; 0 = never
     threads: int | None = None
@@ -198,6 +199,10 @@ def check_base(base: Path | str, output: Path | str, *, kv_dtype: str, family: s
 
 def _tuned_layers(cfg: FinetuneConfig, num_layers: int) -> list[int] | None:
     """Indices of the layers the module tunes (None: all of them)."""
+    if not 0 <= cfg.recompute <= num_layers:
+        raise BadOption(f"recompute={cfg.recompute}: the base has {num_layers} layers; recompute 0..{num_layers}")
+    if cfg.recompute and cfg.kind is not ModuleKind.LORA and cfg.cache_conditioned:
+        raise BadOption("recompute: the engine serves the layer split for lora modules; train --kind lora")
     if cfg.layers == 0:
         return None
     if not 0 < cfg.layers <= num_layers:
@@ -287,10 +292,8 @@ def _save_module(cfg: FinetuneConfig, model: Any, tokenizer: Any, result: Finetu
                 "seconds": round(result.seconds, 1),
                 "final_loss": round(sum(result.losses[-20:]) / max(1, len(result.losses[-20:])), 4)}
     (out / "training.json").write_text(json.dumps(training, indent=2))
-    if not cfg.cache_conditioned or cfg.recompute:
-        # a standard module was not trained on the base's KV: it must not share it; a module
-        # trained with partial recompute needs a knob the engine does not have yet
-        return
+    if not cfg.cache_conditioned:
+        return  # a standard module was not trained on the base's KV: it must not share it
     lora = LoraSpec(cfg.rank, cfg.alpha, tuple(cfg.target_modules)) if cfg.kind is ModuleKind.LORA else None
     Manifest(name=cfg.name, kind=cfg.kind, family=result.family, invocation=cfg.placement,
-             lora=lora, training=training).write(out)
+             lora=lora, training=training, recompute_layers=cfg.recompute).write(out)

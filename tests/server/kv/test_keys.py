@@ -124,3 +124,21 @@ def test_lossy_keeps_every_field_of_its_namespace_and_adds_the_codec():
     assert (lossy.kind, lossy.owner, lossy.salt, lossy.invocation_point, lossy.codec) == (
         NamespaceKind.MODULE, MOD, "t", 40, "int8")
     assert mod.is_exact and not lossy.is_exact
+
+
+def test_a_split_namespace_is_its_own_and_does_not_depend_on_the_ip():
+    fam = Namespace.family("f" * 64, salt="t")
+    split = Namespace.split("m" * 64, recompute_layers=8, salt="t")
+    assert split.digest not in {fam.digest, Namespace.module("m" * 64, invocation_point=0, salt="t").digest,
+                                Namespace.split("m" * 64, recompute_layers=9, salt="t").digest,
+                                Namespace.split("m" * 64, recompute_layers=8, salt="u").digest}
+    tokens = list(range(64))
+    keys = {ip: Layout(fam, Namespace.module("m" * 64, invocation_point=ip, salt="t"), split).block_keys(
+        tokens, block_size=16) for ip in (40, 56)}
+    assert keys[40][:2] == keys[56][:2]  # blocks before either IP: the same split blocks at any later turn
+    assert keys[40][2] != keys[56][2]
+    with pytest.raises(ValueError, match="recomputes at least one layer"):
+        Namespace.split("m" * 64, recompute_layers=0)
+    with pytest.raises(ValueError, match="split namespace of the module's tenant"):
+        Layout(fam, Namespace.module("m" * 64, invocation_point=40, salt="t"),
+               Namespace.split("m" * 64, recompute_layers=8, salt="u"))

@@ -42,6 +42,9 @@ def test_invocation_defaults_to_turn():
         (lambda d: d.pop("lora"), "needs a 'lora' section"),
         (lambda d: d["lora"].update(rank=0), "rank must be positive"),
         (lambda d: d.update(name="a b"), "name must be"),
+        (lambda d: d.update(recompute_layers=-1), "recompute_layers must be a whole number >= 0"),
+        (lambda d: d.update(recompute_layers=2.5), "recompute_layers must be a whole number"),
+        (lambda d: d.update(recompute_layers=True), "recompute_layers must be a whole number"),
     ],
 )
 def test_bad_manifests_name_the_problem(tmp_path, mutate, msg):
@@ -62,3 +65,11 @@ def test_invalid_json_is_a_manifest_error(tmp_path):
 def test_only_lora_modules_have_a_lora_section():
     with pytest.raises(ManifestError):
         Manifest(name="x", kind=ModuleKind.FULL, family=FAM, lora=LoraSpec(8, 8, ("q_proj",)))
+
+
+def test_recompute_layers_round_trips_and_is_left_out_at_zero():
+    m = lora_manifest(recompute_layers=22)
+    assert Manifest.from_json(m.to_json()).recompute_layers == 22
+    # 0 writes the manifest exactly as before the field existed: a module's digest does not move
+    assert "recompute_layers" not in lora_manifest().to_json()
+    assert Manifest.from_json(lora_manifest().to_json()).recompute_layers == 0

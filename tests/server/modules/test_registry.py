@@ -35,6 +35,28 @@ def test_no_manifest_or_another_family_means_a_private_prefill(make_lora, tiny_f
     assert plain.digest != other.digest  # distinct KV namespaces
 
 
+def test_a_layer_split_module_is_its_own_module_and_keeps_its_k(make_lora, tiny_family, tmp_path):
+    split = load(make_lora("k", recompute_layers=2), tiny_family)
+    plain = load(make_lora("k"), tiny_family)
+    assert split.recompute_layers == 2 and plain.recompute_layers == 0
+    assert split.digest != plain.digest and "recomputes its top 2 layers" in split.reason
+    # a private prefill recomputes everything anyway: the split does not apply
+    alien = load(make_lora("k", family="e" * 64, recompute_layers=2), tiny_family)
+    assert alien.recompute_layers == 0 and not alien.shares_prefill
+    with pytest.raises(ModuleLoadError, match="recompute_layers 4 exceeds the base's 3 layers"):
+        load(make_lora("k", recompute_layers=4), tiny_family)
+
+
+def test_a_full_module_with_a_layer_split_is_refused(make_full, tiny_family, tmp_path):
+    import dataclasses
+    import shutil
+
+    d = shutil.copytree(make_full("fs"), tmp_path / "fs")
+    dataclasses.replace(Manifest.read(d), recompute_layers=1).write(d)
+    with pytest.raises(ModuleLoadError, match="recompute_layers is served for lora modules only"):
+        load(d, tiny_family)
+
+
 def test_module_digest_follows_the_weights(make_lora, tiny_family):
     a = load(make_lora("d1", seed=1), tiny_family)
     b = load(make_lora("d1", seed=2), tiny_family)

@@ -134,3 +134,42 @@ def test_more_layers_than_the_base_has_is_a_clear_error(tiny_model_dir, data, tm
                                  "--base", str(tiny_model_dir), "--layers", "99"])
     assert r.exit_code == 2
     assert "layers=99: the base has 3 layers; tune 1..3 (0: all)" in r.output
+
+
+def test_recompute_writes_a_manifest_the_engine_serves_as_trained(tiny_model_dir, data, tmp_path, smollm2_tokenizer):
+    """``finetune --recompute k``: the manifest says ``recompute_layers: k``; the engine serves the
+    module with the layer split, equal to the path it was trained on (SplitModel(recompute=k))."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from server.engine.build import load_engine
+    from server.engine.sampling import SamplingParams
+    from server.training.dataset import collate, encode, parse_row, prompt_of
+
+    r = CliRunner().invoke(app, ["finetune", str(data), "-o", str(tmp_path / "m"), "--name", "a",
+                                 "--base", str(tiny_model_dir), "--kv-dtype", "float32", "--rank", "4",
+                                 "--epochs", "0.5", "--recompute", "2", "--lr", "0.01"])
+    assert r.exit_code == 0, r.output
+    assert Manifest.read(tmp_path / "m").recompute_layers == 2
+    core = load_engine(tiny_model_dir, modules={"a": tmp_path / "m"}, dtype="float32")
+    assert core.modules["a"].recompute_layers == 2 and core.modules["a"].shares_prefill
+    module = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                       tmp_path / "m").eval()
+    for i, ex in enumerate(parse_row(r) for r in generate("retrieval", 2, seed=7, difficulty=SMALL)):
+        batch = collate(encode([ex], smollm2_tokenizer, with_response=False), 0)
+        want = split_mod.SplitModel(module, recompute=2).generate(batch, max_new_tokens=6, eos_id=-1)[0]
+        core.add_request(f"r{i}", "a", prompt_of(smollm2_tokenizer, ex),
+                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        got = []
+        while core.has_work:
+            got += [e.token_id for e in core.step() if e.token_id is not None]
+        assert got == want
+
+
+def test_recompute_needs_a_lora_module_and_at_most_every_layer(tiny_model_dir, data, tmp_path):
+    r = CliRunner().invoke(app, ["finetune", str(data), "-o", str(tmp_path / "m"), "--name", "a",
+                                 "--base", str(tiny_model_dir), "--recompute", "4"])
+    assert r.exit_code == 2 and "recompute=4: the base has 3 layers; recompute 0..3" in r.output
+    r = CliRunner().invoke(app, ["finetune", str(data), "-o", str(tmp_path / "m"), "--name", "a",
+                                 "--base", str(tiny_model_dir), "--recompute", "1", "--kind", "full"])
+    assert r.exit_code == 2 and "the engine serves the layer split for lora modules" in r.output

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from server.kv.family import family_digest
 from server.vllm.launch import BASE, InstanceSpec, StoreConfig, command, plan_instances
 
@@ -34,3 +36,14 @@ def test_every_instance_loads_through_the_connector_and_fails_a_prefix_that_does
     assert args[args.index("--host") + 1] == "127.0.0.1"  # instances are never reachable from the network
     assert args[args.index("--max-lora-rank") + 1] == "16"  # vLLM's next rank bucket
     assert "--enforce-eager" in args and f"coder={tmp_path / 'coder'}" in args
+
+
+def test_a_layer_split_module_is_refused_before_any_instance_starts(tiny_model_dir: Path, make_lora) -> None:
+    from server.vllm.launch import agent_card
+
+    family = family_digest(tiny_model_dir, kv_dtype="float32")
+    split = make_lora("split", recompute_layers=1)
+    for call in (lambda: plan_instances(tiny_model_dir, {"split": split}, family=family, dtype="float32"),
+                 lambda: agent_card(split, name="split", family=family)):
+        with pytest.raises(ValueError, match="the vllm engine cannot serve the layer split"):
+            call()
