@@ -72,6 +72,8 @@ class ServerMetrics:
     reused_tokens: int = 0  # of prompt_tokens: read from that engine's own cache
     imported_tokens: int = 0  # of prompt_tokens: KV that came over a link from a prefill worker
     exported_tokens: int = 0  # computed by prefill workers for requests the decode workers serve
+    split_prefix_tokens: int = 0  # prefix positions layer-split agents filled: their top layers only
+    split_saved_layer_rows: int = 0  # (position, layer) pairs those read from the shared prefill
     samples: Mapping[tuple[str, Labels], float] = field(default_factory=lambda: MappingProxyType({}), repr=False)
 
     @classmethod
@@ -94,6 +96,8 @@ class ServerMetrics:
             requests_running=get("agentshare_requests_running"),
             requests_waiting=get("agentshare_requests_waiting"),
             contexts_pinned=get("agentshare_contexts_pinned"),
+            split_prefix_tokens=get("agentshare_split_prefix_tokens_total"),
+            split_saved_layer_rows=get("agentshare_split_saved_layer_rows_total"),
             samples=MappingProxyType(s),
         )
 
@@ -109,6 +113,8 @@ class ServerMetrics:
             exported_tokens=self.exported_tokens - earlier.exported_tokens,
             cross_module_hit_blocks=self.cross_module_hit_blocks - earlier.cross_module_hit_blocks,
             decode_tokens=self.decode_tokens - earlier.decode_tokens,
+            split_prefix_tokens=self.split_prefix_tokens - earlier.split_prefix_tokens,
+            split_saved_layer_rows=self.split_saved_layer_rows - earlier.split_saved_layer_rows,
             requests_running=self.requests_running, requests_waiting=self.requests_waiting,
             contexts_pinned=self.contexts_pinned, samples=self.samples,
         )

@@ -11,8 +11,11 @@ It runs the team twice on the same server, side by side:
   salt): it prefills the whole report itself. Same server, same concurrent (batched) decoding,
   same prompts; only the sharing differs.
 
-Trained decode modules in ``examples/modules/<agent>/`` (retrieval, planning, coding) are
-served and used; without them every agent runs on the base model.
+Trained decode modules in ``examples/modules/<agent>/`` (retrieval, planning, coding; made by
+``examples/train_team.py``) are served and used; without them every agent runs on the base
+model. With them, a second part runs the team on held-out episodes of the tasks they were
+trained on and scores it, sharing on against each module on its own prefill
+(``examples/team_episodes.py``; ``--episodes 0`` skips it).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import argparse
 import json
 import secrets
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import anyio
+import team_episodes
 
 from agentshare import Agent, AsyncClient, ForkResult, Sampling, ServerMetrics
 
@@ -91,6 +96,7 @@ def report(on: tuple[ForkResult, float, ServerMetrics], off: tuple[ForkResult, f
         ("prompt tokens", f"{m_on.prompt_tokens:,}", f"{m_off.prompt_tokens:,}"),
         ("prefill tokens computed", f"{m_on.prefill_computed_tokens:,}", f"{m_off.prefill_computed_tokens:,}"),
         ("  of which by prefill workers", f"{m_on.exported_tokens:,}", f"{m_off.exported_tokens:,}"),
+        ("  of which top layers only (split)", f"{m_on.split_prefix_tokens:,}", f"{m_off.split_prefix_tokens:,}"),
         ("prompt tokens read from cache", f"{m_on.prefill_cached_tokens:,}", f"{m_off.prefill_cached_tokens:,}"),
         ("  of which moved over a link", f"{m_on.imported_tokens:,}", f"{m_off.imported_tokens:,}"),
         ("wall time, s (prefill + 3 agents)", f"{w_on:.2f}", f"{w_off:.2f}"),
@@ -113,9 +119,15 @@ def _mean_ttft(r: ForkResult) -> float:
 
 async def main(args: argparse.Namespace) -> int:
     document = Path(args.doc).read_text()
-    modules = {p.name: p for p in sorted(MODULES.iterdir()) if p.is_dir()} if MODULES.is_dir() else {}
+    # the shipped modules are trained for the default model: with another --model, give --modules
+    modules_dir = Path(args.modules) if args.modules else (MODULES if args.model is None else None)
+    modules = ({p.name: p for p in sorted(modules_dir.iterdir()) if p.is_dir()}
+               if modules_dir is not None and modules_dir.is_dir() else {})
     names = {name for name, _ in TEAM}
     served = {n: p for n, p in modules.items() if n in names}
+    # trained modules with a recorded held-out accuracy: scored on episodes (a local server only)
+    scored = {n: p for n, p in served.items() if (p / "heldout.json").is_file()} if args.episodes and not args.url else {}
+    tmp = tempfile.TemporaryDirectory(prefix="agentshare-demo-")
     # one tenant for the shared arm, one per agent for the private arm, one for the warm-up
     keys = [f"demo-{k}-{secrets.token_hex(4)}" for k in ("shared", "warmup", *names)]
     shared_key, warm_key, solo_keys = keys[0], keys[1], keys[2:]
@@ -127,6 +139,8 @@ async def main(args: argparse.Namespace) -> int:
             return 2
     else:
         extra = [a for k in keys[1:] for a in ("--api-key", k)] + ["--log-level", "warning"]
+        if scored:  # the same modules on their own prefills, for the episodes' second arm
+            served = {**served, **team_episodes.own_copies(scored, Path(tmp.name))}
         client = AsyncClient(api_key=shared_key, model=args.model, modules=served, dtype=args.dtype,
                              threads=args.threads, server_args=extra, startup_timeout=args.startup_timeout)
         print("starting a local agentshare server (the first run converts the default model, ~20 s) ...")
@@ -141,6 +155,11 @@ async def main(args: argparse.Namespace) -> int:
                 await ctx.generate("base", "Warm up.", max_tokens=2)
         on = await sharing_on(client, document, agents)
         off = await sharing_off(base_url, solo_keys, document, agents)
+        if scored:
+            print(f"running the trained team on {args.episodes} held-out episodes, sharing on, then own prefills ...")
+            assert modules_dir is not None
+            episodes = await team_episodes.run(client, sorted(scored), args.episodes, _num_layers(args.model),
+                                               modules_dir)
     print()
     for a in on[0]:
         print(f"── {a.agent} ({a.module}) " + "─" * max(0, 60 - len(a.agent) - len(a.module)))
@@ -155,11 +174,24 @@ async def main(args: argparse.Namespace) -> int:
           "prefills the whole report once per agent. Same server, same concurrent batched decoding, same\n"
           "prompts and greedy answers; the counters are the server's (agentshare_prefill_tokens_total).")
     if not served:
-        print("\nno trained modules in examples/modules/: all three agents run on the base model, so their\n"
-              "answers show the plumbing, not specialised skills (see docs/finetune.md).")
+        print("\nno trained modules: all three agents run on the base model, so their answers show the\n"
+              "plumbing, not specialised skills (examples/train_team.py trains them; docs/finetune.md).")
     same = all(a.text == b.text for a, b in zip(on[0], off[0], strict=True))
     print("\n" + numerics_note(same, args.dtype))
+    if scored:
+        print(f"\nthe trained team on {args.episodes} held-out episodes (generated scenarios: a table, chains of "
+              "assignments and tool schemas; exact-match scoring):")
+        print(episodes)
+    tmp.cleanup()
     return 0
+
+
+def _num_layers(model: str | None) -> int:
+    from transformers import AutoConfig
+
+    from server.models.loader import default_model_dir
+
+    return int(AutoConfig.from_pretrained(model or default_model_dir()).num_hidden_layers)
 
 
 def numerics_note(same: bool, dtype: str) -> str:
@@ -196,6 +228,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", default=None, help="use a running server instead of launching one")
     p.add_argument("--api-key", default=None, help="with --url: the shared arm's key")
     p.add_argument("--solo-key", action="append", help="with --url: one key per agent for the sharing-off arm")
+    p.add_argument("--modules", default=None,
+                   help="directory of trained modules, one per agent (default: examples/modules/ with the default model)")
+    p.add_argument("--episodes", type=int, default=12,
+                   help="held-out episodes the trained team is scored on (0: skip; a launched server only)")
     return p.parse_args(argv)
 
 

@@ -1,0 +1,131 @@
+"""Train the demo's team of specialists and record their held-out accuracy beside them.
+
+    python examples/train_team.py                          # all three agents, one after another
+    python examples/train_team.py --agents retrieval       # one of them (run two at once on two cores)
+
+Each agent is a LoRA module of the default model (SmolLM2-135M-Instruct), cache-conditioned on
+the base's bf16 KV, trained on generated episodes of its task (``server/training/tasks.py``)
+and written to ``examples/modules/<agent>/``:
+
+=============  ========  =====================================================================
+agent          task      layer split (``recompute_layers``, of 30)
+=============  ========  =====================================================================
+retrieval      retrieval 22: full sharing loses 33 points on retrieval at this size; the top
+                         22 layers recomputed came within 4 points (docs/finetune.md)
+planning       planning  15: within 1 point of its own-prefill fine-tune in the study
+coding         tool      0: full sharing is within 1 point on tool calling
+=============  ========  =====================================================================
+
+Rank 8 on all seven projections, saved in bf16 (about 4.9 MB a module). Beside each module,
+``heldout.json`` records its accuracy on held-out episodes through the engine, with the shared
+prefill (as served) and on its own prefill (the same weights, no manifest), and how it was made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout: the project's own packages
+
+from server.models.loader import default_model_dir  # noqa: E402
+from server.modules.manifest import MANIFEST_FILE  # noqa: E402
+from server.training.dataset import parse_row, write_jsonl  # noqa: E402
+from server.training.evaluate import accuracy, engine_answers, paired_bootstrap  # noqa: E402
+from server.training.tasks import Difficulty, generate  # noqa: E402
+from server.training.trainer import FinetuneConfig, finetune  # noqa: E402
+
+MODULES = HERE / "modules"
+SCENARIO = Difficulty(records=8, chains=3, chain_length=3, tools=3)
+"""The episodes' size: the fidelity study's first run (docs/finetune.md), about 400 tokens."""
+TEAM = {  # agent -> (task, recompute_layers, training examples)
+    "retrieval": ("retrieval", 22, 800),
+    "planning": ("planning", 15, 400),
+    "coding": ("tool", 0, 400),
+}
+MAX_NEW = {"retrieval": 12, "planning": 8, "tool": 48}
+RANK, ALPHA = 8, 16.0
+TRAIN_SEED, HELD_OUT_SEED = 0, 1
+
+
+def held_out(task: str, n: int) -> list:
+    """The held-out episodes of ``task`` (never trained on: another seed)."""
+    return [parse_row(r, line=i + 1) for i, r in enumerate(generate(task, n, seed=HELD_OUT_SEED,
+                                                                    difficulty=SCENARIO))]
+
+
+def to_bf16(module_dir: Path) -> None:
+    """Store the adapter in bf16 (the engine serves it in the base's dtype anyway)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = module_dir / "adapter_model.safetensors"
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(path).items()}, path)
+
+
+def evaluate(agent: str, module_dir: Path, n: int, threads: int) -> dict:
+    """Held-out accuracy through the engine (bf16): shared prefill vs the module's own."""
+    task = TEAM[agent][0]
+    examples = held_out(task, n)
+    with tempfile.TemporaryDirectory() as tmp:
+        own = Path(tmp) / agent
+        shutil.copytree(module_dir, own, ignore=shutil.ignore_patterns(MANIFEST_FILE))  # no manifest: private
+        t0 = time.perf_counter()
+        preds = engine_answers(default_model_dir(), {"shared": module_dir, "own": own}, examples,
+                               dtype="bfloat16", max_new_tokens=MAX_NEW[task], threads=threads,
+                               include_base=False, progress=True)
+    correct = {k: accuracy(task, v, examples) for k, v in preds.items()}
+    return {
+        "examples": n, "seed": HELD_OUT_SEED,
+        "accuracy": {"shared": sum(correct["shared"]) / n, "own_prefill": sum(correct["own"]) / n},
+        "shared_minus_own": paired_bootstrap(correct["shared"], correct["own"]),
+        "eval_seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def train(agent: str, a: argparse.Namespace) -> None:
+    task, k, n_train = TEAM[agent]
+    out = MODULES / agent
+    with tempfile.TemporaryDirectory() as tmp:
+        data = write_jsonl(generate(task, n_train, seed=TRAIN_SEED, difficulty=SCENARIO), Path(tmp) / "train.jsonl")
+        if out.exists():
+            shutil.rmtree(out)
+        result = finetune(FinetuneConfig(
+            base=default_model_dir(), data=data, output=out, name=agent, rank=RANK, alpha=ALPHA, epochs=1,
+            batch_size=8, lr=1e-3, seed=TRAIN_SEED, kv_dtype="bfloat16", autocast=True, recompute=k,
+            threads=a.threads))
+    to_bf16(out)
+    record = {
+        "agent": agent, "task": task, "recompute_layers": k, "rank": RANK, "alpha": ALPHA,
+        "scenario": asdict(SCENARIO), "train_examples": n_train, "train_seed": TRAIN_SEED,
+        "steps": result.steps, "train_seconds": round(result.seconds, 1),
+        "command": f"python examples/train_team.py --agents {agent} --eval {a.eval}",
+        "heldout": evaluate(agent, out, a.eval, a.threads),
+    }
+    (out / "heldout.json").write_text(json.dumps(record, indent=2) + "\n")
+    acc = record["heldout"]["accuracy"]
+    print(f"{agent}: shared {acc['shared']:.1%}, own prefill {acc['own_prefill']:.1%} "
+          f"({result.steps} steps, {result.seconds:.0f} s)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--agents", default=",".join(TEAM), help="which agents to train (comma-separated)")
+    p.add_argument("--eval", type=int, default=300, help="held-out episodes per agent")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (run agents in parallel on more cores)")
+    a = p.parse_args()
+    for agent in a.agents.split(","):
+        if agent not in TEAM:
+            p.error(f"unknown agent {agent!r}; choose from {', '.join(TEAM)}")
+        train(agent, a)
+
+
+if __name__ == "__main__":
+    main()
