@@ -18,6 +18,11 @@ The IP of a module:
   (:meth:`Prompt.invocation_point`), never past the last prompt token;
 - a module outside the family (no manifest, another base): 0, a private prefill.
 
+A module of the family with ``recompute_layers = k`` (the layer split) keeps its IP, but its
+positions before it are the base's only below layer ``L - k`` (:func:`split_layer`): from there
+on they are its own, fed the base's hidden state, and its blocks before the IP live in a split
+namespace of its own (``Namespace.split``), which later turns read again.
+
 >>> from server.prompt import Placement, Prompt
 >>> prompt = Prompt(tuple(range(40)), context_len=32, turn_start=32, header_start=38)
 >>> coder = Facts("coder", "c" * 64, shares_prefill=True, placement=Placement.HEADER)
