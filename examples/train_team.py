@@ -18,7 +18,9 @@ coding         tool      0: full sharing is within 1 point on tool calling
 
 Rank 8 on all seven projections, saved in bf16 (about 4.9 MB a module). Beside each module,
 ``heldout.json`` records its accuracy on held-out episodes through the engine, with the shared
-prefill (as served) and on its own prefill (the same weights, no manifest), and how it was made.
+prefill (as served) and on its own prefill (the same weights, no manifest), and how it was made;
+``check`` is its accuracy on the first few of those episodes alone, which the tests reproduce
+(``python examples/train_team.py --check`` records it again for the shipped modules).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ TEAM = {  # agent -> (task, recompute_layers, training examples)
     "coding": ("tool", 0, 400),
 }
 MAX_NEW = {"retrieval": 12, "planning": 8, "tool": 48}
+CHECK = 24
+"""Held-out episodes of the check the tests run (the first of the held-out set)."""
 RANK, ALPHA = 8, 16.0
 TRAIN_SEED, HELD_OUT_SEED = 0, 1
 
@@ -90,6 +94,27 @@ def evaluate(agent: str, module_dir: Path, n: int, threads: int) -> dict:
     }
 
 
+def check(agent: str, module_dir: Path, *, threads: int | None = None) -> dict:
+    """The module's accuracy, served with the shared prefill, on the first :data:`CHECK` held-out
+    episodes of its task, each with its base companion computing the shared context first (as in
+    the team)."""
+    task = TEAM[agent][0]
+    examples = held_out(task, CHECK)
+    preds = engine_answers(default_model_dir(progress=False), {agent: module_dir}, examples, dtype="bfloat16",
+                           max_new_tokens=MAX_NEW[task], threads=threads, include_base=True)
+    correct = accuracy(task, preds[agent], examples)
+    return {"examples": CHECK, "seed": HELD_OUT_SEED, "accuracy": sum(correct) / CHECK,
+            "correct": [int(c) for c in correct]}
+
+
+def record_check(agent: str, threads: int | None) -> None:
+    path = MODULES / agent / "heldout.json"
+    record = json.loads(path.read_text())
+    record["check"] = check(agent, MODULES / agent, threads=threads)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"{agent}: check {record['check']['accuracy']:.1%} of {CHECK}", flush=True)
+
+
 def train(agent: str, a: argparse.Namespace) -> None:
     task, k, n_train = TEAM[agent]
     out = MODULES / agent
@@ -110,6 +135,7 @@ def train(agent: str, a: argparse.Namespace) -> None:
         "heldout": evaluate(agent, out, a.eval, a.threads),
     }
     (out / "heldout.json").write_text(json.dumps(record, indent=2) + "\n")
+    record_check(agent, a.threads)
     acc = record["heldout"]["accuracy"]
     print(f"{agent}: shared {acc['shared']:.1%}, own prefill {acc['own_prefill']:.1%} "
           f"({result.steps} steps, {result.seconds:.0f} s)", flush=True)
@@ -120,11 +146,15 @@ def main() -> None:
     p.add_argument("--agents", default=",".join(TEAM), help="which agents to train (comma-separated)")
     p.add_argument("--eval", type=int, default=300, help="held-out episodes per agent")
     p.add_argument("--threads", type=int, default=1, help="torch threads (run agents in parallel on more cores)")
+    p.add_argument("--check", action="store_true", help="only record the check of the shipped modules")
     a = p.parse_args()
     for agent in a.agents.split(","):
         if agent not in TEAM:
             p.error(f"unknown agent {agent!r}; choose from {', '.join(TEAM)}")
-        train(agent, a)
+        if a.check:
+            record_check(agent, a.threads)
+        else:
+            train(agent, a)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,24 @@ def finetune(
     raise typer.Exit(run_finetune(locals()))
 
 
+@app.command("finetune-joint")
+def finetune_joint(
+    data: Annotated[Path, typer.Argument(help="JSONL rows of every task of the family, each naming its 'task'")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory of the new base model to write")],
+    base: Annotated[Path | None, typer.Option(help="base model directory (default: SmolLM2-135M-Instruct)")] = None,
+    rank: int = typer.Option(16, help="rank of the shared prefill adapter"), alpha: float = typer.Option(32.0),
+    decode_rank: int = typer.Option(8, help="rank of each task's decode adapter during this stage"),
+    epochs: float = typer.Option(1.0), batch_size: int = typer.Option(8), lr: float = typer.Option(1e-3),
+    seed: int = typer.Option(0), kv_dtype: str = typer.Option("bfloat16", help="KV dtype of the new family"),
+    bf16: bool = typer.Option(False, help="bf16 autocast matmuls"), threads: int | None = typer.Option(None),
+) -> None:
+    """Train the family's prefill module jointly with a decode adapter per task, merge it into a new
+    base (a new family); then fine-tune each decode module on it with `agentshare finetune --base`."""
+    from server.training.command import run_finetune_joint
+
+    raise typer.Exit(run_finetune_joint(locals()))
+
+
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),

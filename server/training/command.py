@@ -63,3 +63,23 @@ def run_finetune(opts: Mapping[str, Any]) -> int:
     print(f"wrote {result.output} ({result.steps} steps, {result.examples} examples, "
           f"{result.seconds:.0f} s, family {result.family[:12]}…)")
     return 0
+
+
+def run_finetune_joint(opts: Mapping[str, Any]) -> int:
+    """``agentshare finetune-joint``; returns its exit status."""
+    from server.models.loader import ModelLoadError, default_model_dir
+    from server.training.joint import JointConfig, train_joint
+
+    try:
+        cfg = JointConfig(base=opts.get("base") or default_model_dir(), data=opts["data"], output=opts["output"],
+                          rank=opts["rank"], alpha=opts["alpha"], decode_rank=opts["decode_rank"],
+                          epochs=opts["epochs"], batch_size=opts["batch_size"], lr=opts["lr"], seed=opts["seed"],
+                          kv_dtype=opts["kv_dtype"], autocast=bool(opts["bf16"]), threads=opts["threads"])
+        result = train_joint(cfg)
+    except (DataError, BadOption, FileNotFoundError, ModelLoadError, OSError) as exc:
+        print(f"agentshare finetune-joint: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote the joint base {result.output} ({', '.join(result.tasks)}; {result.steps} steps, "
+          f"{result.seconds:.0f} s): family {result.family[:12]}…, a new family; fine-tune each decode module "
+          f"on it with `agentshare finetune --base {result.output}`")
+    return 0

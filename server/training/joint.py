@@ -1,0 +1,183 @@
+"""A jointly trained prefill module: PrefillShare's first stage, ``agentshare finetune --joint``.
+
+The family's prefill module is trained briefly, *jointly* with one decode adapter per task, on a
+mixture of all the family's tasks, then frozen and merged into the base weights. The merged model
+is a new base (a new family digest: nothing cached for the old base is shared with it), on which
+each task's decode module is then fine-tuned cache-conditioned, as usual (``agentshare finetune
+--base NEW_BASE``)::
+
+    row of task t:  [ context ............. ] [ turn + response ]
+                      base + prefill adapter    base + prefill adapter + decode adapter t
+                      (with gradients: the prefill learns to encode for every task)
+
+The decode adapters of this stage only shape the prefill adapter's training; they are dropped.
+Rows name their task (the ``task`` field, as ``server.training.tasks`` writes it).
+
+>>> rows = [{"context": "Ada Kim lives in Oslo.", "instruction": "Where does Ada Kim live?",
+...          "response": "Oslo", "task": "retrieval"},
+...         {"context": "x = 4; y = x.", "instruction": "What is y?", "response": "4", "task": "planning"}]
+>>> _ = write_jsonl(rows, "mix.jsonl")
+>>> result = train_joint(JointConfig(base=model_dir, data="mix.jsonl", output="joint-base", rank=4,
+...                                  alpha=8, decode_rank=4, progress=False))
+>>> result.tasks, result.steps, result.family != family_digest(model_dir, kv_dtype="bfloat16")
+(('planning', 'retrieval'), 2, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from server.kv.family import family_digest
+from server.training.dataset import Batch, DataError, collate, encode, read_jsonl, write_jsonl  # noqa: F401  (write_jsonl: the example)
+from server.training.split import _causal_lm
+from server.training.trainer import DEFAULT_TARGETS, BadOption, _schedule
+
+PREFILL = "prefill"
+RECORD = "agentshare-joint.json"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JointConfig:
+    base: Path | str
+    data: Path | str  # a JSONL mixture; every row names its task
+    output: Path | str  # the new base model directory
+    rank: int = 16  # the prefill adapter
+    alpha: float = 32.0
+    decode_rank: int = 8  # each task's decode adapter during this stage
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    epochs: float = 1.0
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup: float = 0.05
+    max_length: int = 2048
+    seed: int = 0
+    kv_dtype: str = "bfloat16"  # of the new family
+    autocast: bool = False
+    threads: int | None = None
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class JointResult:
+    output: Path
+    family: str  # the new base's family digest
+    tasks: tuple[str, ...]
+    steps: int
+    examples: int
+    seconds: float
+    losses: list[float] = field(default_factory=list)
+
+
+def train_joint(cfg: JointConfig) -> JointResult:
+    """Train the prefill adapter jointly with per-task decode adapters, merge it into the base,
+    and write the new base (weights, config, tokenizer, and ``agentshare-joint.json``)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    out = Path(cfg.output)
+    if Path(cfg.base).resolve() == out.resolve():
+        raise BadOption("--output must be a new directory: the joint base replaces nothing in place")
+    examples = read_jsonl(cfg.data)
+    missing = next((ex for ex in examples if not ex.task), None)
+    if missing is not None:
+        raise DataError(f"{missing.where}: a joint run needs every row's 'task' (its decode adapter)")
+    tasks = tuple(sorted({str(ex.task) for ex in examples}))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base)
+    items = encode(examples, tokenizer, max_length=cfg.max_length)
+    by_task = {t: [i for i, ex in enumerate(examples) if ex.task == t] for t in tasks}
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model: Any = AutoModelForCausalLM.from_pretrained(cfg.base, dtype=torch.float32)
+    lora = dict(lora_dropout=0.0, target_modules=list(cfg.target_modules))
+    model = get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, **lora),  # type: ignore[arg-type]
+                           adapter_name=PREFILL)
+    for t in tasks:
+        model.add_adapter(t, LoraConfig(r=cfg.decode_rank, lora_alpha=2 * cfg.decode_rank, **lora))  # type: ignore[arg-type]
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    model.train()
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    order = _order(by_task, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(len(order), cfg.warmup))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.autocast else contextlib.nullcontext()
+    losses: list[float] = []
+    bar = tqdm(total=len(order), desc="finetune --joint", disable=not cfg.progress)
+    for task, batch_idx in order:
+        batch = collate([items[i] for i in batch_idx], pad)
+        with amp:
+            loss = _loss(model, task, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.update()
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    bar.close()
+
+    merged = model.merge_and_unload(adapter_names=[PREFILL])  # the decode adapters are dropped
+    out.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    seconds = time.perf_counter() - t0
+    family = family_digest(out, kv_dtype=cfg.kv_dtype)
+    record = {"config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), "tasks": list(tasks),
+              "steps": len(order), "examples": len(items), "seconds": round(seconds, 1),
+              "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4), "family": family,
+              "from_family": family_digest(cfg.base, kv_dtype=cfg.kv_dtype)}
+    (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return JointResult(out, family, tasks, len(order), len(items), seconds, losses)
+
+
+def _loss(model: Any, task: str, batch: Batch) -> torch.Tensor:
+    """Prefix with the prefill adapter (with gradients), suffix with it and the task's adapter;
+    cross-entropy on the response tokens."""
+    lm = _causal_lm(model)
+    P = batch.prefix_len
+    cache = DynamicCache()
+    model.base_model.set_adapter(PREFILL)
+    if P:
+        lm.model(input_ids=batch.input_ids[:, :P], attention_mask=batch.attention_mask[:, :P],
+                 position_ids=batch.position_ids[:, :P], past_key_values=cache, use_cache=True)
+    model.base_model.set_adapter([PREFILL, task])
+    h = lm.model(input_ids=batch.input_ids[:, P:], attention_mask=batch.attention_mask,
+                 position_ids=batch.position_ids[:, P:], past_key_values=cache, use_cache=True).last_hidden_state
+    sel = batch.labels != -100
+    return torch.nn.functional.cross_entropy(lm.lm_head(h[sel]).float(), batch.labels[sel])
+
+
+def _order(by_task: dict[str, list[int]], cfg: JointConfig) -> list[tuple[str, list[int]]]:
+    """Single-task batches of every task, interleaved at random (deterministic from the seed):
+    one epoch is every row once."""
+    rng = random.Random(cfg.seed)
+    batches: list[tuple[str, list[int]]] = []
+    for task, idx in by_task.items():
+        rows: list[int] = []
+        for _ in range(math.ceil(cfg.epochs)):
+            perm = list(idx)
+            rng.shuffle(perm)
+            rows += perm
+        rows = rows[: max(1, round(cfg.epochs * len(idx)))]
+        batches += [(task, rows[i:i + cfg.batch_size]) for i in range(0, len(rows), cfg.batch_size)]
+    rng.shuffle(batches)
+    return batches
+

@@ -1,0 +1,71 @@
+"""finetune-joint on a tiny random model: a shared prefill adapter trained jointly with per-task
+decode adapters, merged into a new base of a new family, on which decode modules then train and
+are served with a shared prefill."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from server.cli import app
+from server.engine.build import load_engine
+from server.kv.family import family_digest
+from server.modules.manifest import Manifest
+from server.training.dataset import write_jsonl
+from server.training.joint import JointConfig, _order, train_joint
+from server.training.tasks import Difficulty, generate
+from server.training.trainer import FinetuneConfig, finetune
+
+SMALL = Difficulty(records=3, chains=1, chain_length=2, tools=1)
+
+
+def mixture(path, n=8):
+    rows = [r for t in ("retrieval", "planning", "tool") for r in generate(t, n, difficulty=SMALL)]
+    return write_jsonl(rows, path)
+
+
+def test_the_joint_base_is_a_new_family_whose_prefill_learned(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    data = mixture(tmp_path / "mix.jsonl")
+    res = train_joint(JointConfig(base=tiny_model_dir, data=data, output=tmp_path / "joint", rank=4, alpha=8,
+                                  decode_rank=4, batch_size=4, lr=1e-2, epochs=2, kv_dtype="float32",
+                                  progress=False))
+    assert res.tasks == ("planning", "retrieval", "tool") and res.steps == 12  # 2 epochs of 3 x 8 rows, 4 a batch
+    assert sum(res.losses[-3:]) < sum(res.losses[:3])
+    old = family_digest(tiny_model_dir, kv_dtype="float32")
+    assert res.family == family_digest(tmp_path / "joint", kv_dtype="float32") != old
+    record = json.loads((tmp_path / "joint" / "agentshare-joint.json").read_text())
+    assert record["from_family"] == old and record["steps"] == 12
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "joint").state_dict()
+    assert set(before) == set(after)  # a plain model: the adapter merged, no peft left
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all("proj" in k for k in moved)  # only the adapted projections changed
+    # a decode module trained on the joint base joins its family and is served from its prefill
+    mod = finetune(FinetuneConfig(base=tmp_path / "joint", data=data, output=tmp_path / "coder", name="coder",
+                                  rank=4, alpha=8, target_modules=("q_proj", "v_proj"), batch_size=4, lr=1e-2,
+                                  kv_dtype="float32", progress=False, checkpoint_every=0, epochs=0.25))
+    assert Manifest.read(tmp_path / "coder").family == res.family == mod.family
+    core = load_engine(tmp_path / "joint", modules={"coder": tmp_path / "coder"}, dtype="float32")
+    assert core.modules["coder"].shares_prefill
+    stale = load_engine(tiny_model_dir, modules={"coder": tmp_path / "coder"}, dtype="float32")
+    assert not stale.modules["coder"].shares_prefill  # the old base is another family: private prefill
+
+
+def test_batches_hold_one_task_each_and_every_row_once_an_epoch():
+    by_task = {"a": list(range(0, 10)), "b": list(range(10, 13))}
+    order = _order(by_task, JointConfig(base="m", data="d", output="o", batch_size=4, epochs=1))
+    assert sorted(i for _, b in order for i in b) == list(range(13))
+    assert all(all(i in by_task[t] for i in b) for t, b in order)
+    assert len(order) == 4  # 3 batches of a, 1 of b
+
+
+def test_the_command_needs_every_row_to_name_its_task(tiny_model_dir, tmp_path):
+    rows = generate("retrieval", 2, difficulty=SMALL)
+    rows[1].pop("task")
+    data = write_jsonl(rows, tmp_path / "d.jsonl")
+    r = CliRunner().invoke(app, ["finetune-joint", str(data), "-o", str(tmp_path / "j"), "--base", str(tiny_model_dir)])
+    assert r.exit_code == 2 and "d.jsonl:2" in r.output and "'task'" in r.output
