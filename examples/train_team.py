@@ -127,6 +127,7 @@ def train(agent: str, a: argparse.Namespace) -> None:
             batch_size=8, lr=1e-3, seed=TRAIN_SEED, kv_dtype="bfloat16", autocast=True, recompute=k,
             threads=a.threads))
     to_bf16(out)
+    (out / "README.md").unlink(missing_ok=True)  # peft's empty model card
     record = {
         "agent": agent, "task": task, "recompute_layers": k, "rank": RANK, "alpha": ALPHA,
         "scenario": asdict(SCENARIO), "train_examples": n_train, "train_seed": TRAIN_SEED,
