@@ -67,7 +67,7 @@ def one(core: EngineCore, module: str, prompt: Prompt) -> float:
     return time.perf_counter() - start
 
 
-def run(core: EngineCore, ks: list[int], *, context: int, reps: int, vocab: int) -> list[dict]:
+def run(core: EngineCore, ks: list[int], *, context: int, reps: int, vocab: int, quiet: bool = False) -> list[dict]:
     rows = []
     for k in ks:
         fill, private, filled = [], [], []
@@ -88,8 +88,9 @@ def run(core: EngineCore, ks: list[int], *, context: int, reps: int, vocab: int)
         f, p = statistics.median(fill), statistics.median(private)
         rows.append({"k": k, "layers": L, "fill_s": f, "private_s": p, "ratio": f / p, "predicted": k / L,
                      "filled_tokens": filled[0], "fill_runs": fill, "private_runs": private})
-        print(f"k={k:>2}/{L}: fill {f:.3f} s, private {p:.3f} s, ratio {f / p:.2f} (predicted {k / L:.2f}), "
-              f"{filled[0]} context tokens filled", flush=True)
+        if not quiet:
+            print(f"k={k:>2}/{L}: fill {f:.3f} s, private {p:.3f} s, ratio {f / p:.2f} (predicted {k / L:.2f}), "
+                  f"{filled[0]} context tokens filled", flush=True)
     return rows
 
 
@@ -115,7 +116,7 @@ def main() -> None:
         core = load_engine(model_dir, modules=modules, dtype=a.dtype,
                            config=EngineConfig(kv_cache_bytes=1 << 30, max_prefill_step_tokens=2048))
         print(f"default model, {a.dtype}, {threads} threads, context {a.context} tokens, medians of {a.reps}")
-        run(core, ks[:1], context=256, reps=1, vocab=core.forward.weights.shape.vocab_size)  # warm-up, not kept
+        run(core, ks[:1], context=256, reps=1, vocab=core.forward.weights.shape.vocab_size, quiet=True)  # warm-up
         rows = run(core, ks, context=a.context, reps=a.reps, vocab=core.forward.weights.shape.vocab_size)
     if a.json:
         out = {"benchmark": "layer_split", "dtype": a.dtype, "threads": threads, "context": a.context,
