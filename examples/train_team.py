@@ -101,7 +101,8 @@ def check(agent: str, module_dir: Path, *, threads: int | None = None) -> dict:
     task = TEAM[agent][0]
     examples = held_out(task, CHECK)
     preds = engine_answers(default_model_dir(progress=False), {agent: module_dir}, examples, dtype="bfloat16",
-                           max_new_tokens=MAX_NEW[task], threads=threads, include_base=True)
+                           max_new_tokens=MAX_NEW[task], threads=threads, include_base=True,
+                           kv_cache_bytes=1 << 30)  # 48 requests of ~450 tokens: about 0.6 GiB of KV
     correct = accuracy(task, preds[agent], examples)
     return {"examples": CHECK, "seed": HELD_OUT_SEED, "accuracy": sum(correct) / CHECK,
             "correct": [int(c) for c in correct]}
