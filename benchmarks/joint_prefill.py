@@ -9,7 +9,7 @@ read the shared prefix at full sharing (k = 0) as well as the layer split does?
    paired: the joint arm at full sharing, the same module on its own prefill, and the shipped
    module (original base, its layer split), with paired bootstrap intervals.
 
-    python benchmarks/joint_prefill.py --task retrieval --json benchmarks/recorded/joint_prefill.json
+    python benchmarks/joint_prefill.py --task retrieval --json benchmarks/recorded/joint_prefill_retrieval.json
 """
 
 from __future__ import annotations

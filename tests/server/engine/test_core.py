@@ -32,7 +32,10 @@ def engine(tiny_model_dir, modules=None, **cfg) -> tuple[EngineCore, dict]:
     """A fresh engine (empty pool); the model and modules are loaded once per session."""
     key = (tiny_model_dir, tuple(sorted((modules or {}).items())))
     if key not in _LOADED:
-        _LOADED[key] = load_engine(tiny_model_dir, modules=modules, dtype="float32")
+        # a tiny pool here: every test takes a fresh one with with_config, and the loaded engines
+        # stay cached for the session (the default 1 GiB each would add up)
+        _LOADED[key] = load_engine(tiny_model_dir, modules=modules, dtype="float32",
+                                   config=EngineConfig(kv_cache_bytes=1 << 20))
     core = _LOADED[key].with_config(EngineConfig(**{"kv_cache_bytes": 32 << 20, **cfg}))
     logits: dict[str, list[torch.Tensor]] = defaultdict(list)
     core.logits_hook = lambda rid, row: logits[rid].append(row.clone())

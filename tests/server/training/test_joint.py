@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from server.cli import app
 from server.engine.build import load_engine
+from server.engine.core import EngineConfig
 from server.kv.family import family_digest
 from server.modules.manifest import Manifest
 from server.training.dataset import write_jsonl
@@ -49,9 +50,9 @@ def test_the_joint_base_is_a_new_family_whose_prefill_learned(tiny_model_dir, tm
                                   rank=4, alpha=8, target_modules=("q_proj", "v_proj"), batch_size=4, lr=1e-2,
                                   kv_dtype="float32", progress=False, checkpoint_every=0, epochs=0.25))
     assert Manifest.read(tmp_path / "coder").family == res.family == mod.family
-    core = load_engine(tmp_path / "joint", modules={"coder": tmp_path / "coder"}, dtype="float32")
+    core = load_engine(tmp_path / "joint", modules={"coder": tmp_path / "coder"}, dtype="float32", config=EngineConfig(kv_cache_bytes=32 << 20))
     assert core.modules["coder"].shares_prefill
-    stale = load_engine(tiny_model_dir, modules={"coder": tmp_path / "coder"}, dtype="float32")
+    stale = load_engine(tiny_model_dir, modules={"coder": tmp_path / "coder"}, dtype="float32", config=EngineConfig(kv_cache_bytes=32 << 20))
     assert not stale.modules["coder"].shares_prefill  # the old base is another family: private prefill
 
 

@@ -143,6 +143,7 @@ def test_recompute_writes_a_manifest_the_engine_serves_as_trained(tiny_model_dir
     from transformers import AutoModelForCausalLM
 
     from server.engine.build import load_engine
+    from server.engine.core import EngineConfig
     from server.engine.sampling import SamplingParams
     from server.training.dataset import collate, encode, parse_row, prompt_of
 
@@ -151,7 +152,8 @@ def test_recompute_writes_a_manifest_the_engine_serves_as_trained(tiny_model_dir
                                  "--epochs", "0.5", "--recompute", "2", "--lr", "0.01"])
     assert r.exit_code == 0, r.output
     assert Manifest.read(tmp_path / "m").recompute_layers == 2
-    core = load_engine(tiny_model_dir, modules={"a": tmp_path / "m"}, dtype="float32")
+    core = load_engine(tiny_model_dir, modules={"a": tmp_path / "m"}, dtype="float32",
+                       config=EngineConfig(kv_cache_bytes=32 << 20))
     assert core.modules["a"].recompute_layers == 2 and core.modules["a"].shares_prefill
     module = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                        tmp_path / "m").eval()
