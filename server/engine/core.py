@@ -226,13 +226,9 @@ class EngineCore:
         if not k or split not in self.kv.hidden:
             return k, 0
         ip, layout = self._layout(m, prompt, salt)
-        bs, tokens = self.config.block_size, list(prompt.token_ids)
-        first, end = len(self.pool.match(tokens, layout).block_ids), ip // bs
-        fam = self.pool.match(tokens[: end * bs], Layout(layout.family)).block_ids
-        n = first
-        while n < min(end, len(fam)) and self.scheduler.has_hidden(fam[n]):
-            n += 1
-        return k, max(0, n - first)
+        tokens = list(prompt.token_ids)
+        first = len(self.pool.match(tokens, layout).block_ids)
+        return k, max(0, self.scheduler.fillable(tokens, layout, first, ip)[1] - first)
 
     def add_context(
         self, context_id: str, token_ids: SequenceOf[int], *, ttl: float, salt: str = "", module: str | None = None,

@@ -124,14 +124,11 @@ class Scheduler:
         """Hold the family's blocks that can fill ``seq``'s missed prefix blocks: from its first
         miss, the run of family blocks this engine computed (their hidden state kept), ready or
         still being computed here (then ``seq`` waits for them)."""
-        bs, ip = self.config.block_size, seq.invocation_point
-        first, end = seq.num_computed // bs, ip // bs
-        if first >= end or seq.split_layer not in self.kv.hidden:
+        bs = self.config.block_size
+        first = seq.num_computed // bs
+        if seq.split_layer not in self.kv.hidden:
             return
-        fam = self.pool.match(prompt[: end * bs], Layout(seq.layout.family))
-        usable = first
-        while usable < len(fam.block_ids) and self.has_hidden(fam.block_ids[usable]):
-            usable += 1
+        fam, usable = self.fillable(prompt, seq.layout, first, seq.invocation_point)
         if usable == first:
             return
         ids = fam.block_ids[first:usable]
@@ -139,6 +136,16 @@ class Scheduler:
         self.pool.acquire(PrefixMatch(fam.keys[first:usable], ids, pending, bs), reader=seq.module.name)
         seq.fill_blocks, seq.fill_start, seq.fill_end = list(ids), first * bs, usable * bs
         seq.pending = (*seq.pending, *pending)
+
+    def fillable(self, tokens: list[int], layout: Layout, first: int, ip: int) -> tuple[PrefixMatch, int]:
+        """The family's match of the full blocks before ``ip``, and the end of the run of them,
+        from block ``first`` on, that can fill a split module's prefix (:meth:`has_hidden`)."""
+        bs = self.config.block_size
+        fam = self.pool.match(tokens[: ip // bs * bs], Layout(layout.family))
+        end = first
+        while end < len(fam.block_ids) and self.has_hidden(fam.block_ids[end]):
+            end += 1
+        return fam, end
 
     def has_hidden(self, block_id: int) -> bool:
         """Whether a family block's hidden state was written here (computed here, not imported),
