@@ -74,3 +74,30 @@ def test_the_default_tenant_and_a_one_token_shared_prefix():
     assert positions.layout(lora(True), 35, family=FAMILY).family.salt == ""  # the single default tenant
     one = positions.layout(lora(True), 1, family=FAMILY, prefix_codec="int8")
     assert one.family.codec == "int8"  # position 0 was the base's, and it crossed the codec
+
+
+def split(shares: bool, k: int) -> DecodeModule:
+    return DecodeModule("reader", "lora", "r" * 64, shares, Placement.TURN, recompute_layers=k)
+
+
+def test_the_split_layer_of_each_kind_of_module():
+    assert positions.split_layer(split(True, 8), 30) == 22
+    assert positions.split_layer(split(True, 30), 30) == 0  # every layer: a private prefill's work
+    assert positions.split_layer(split(False, 8), 30) == 30  # a private prefill: nothing is the base's
+    assert positions.split_layer(base_module(FAMILY), 30) == 30
+    assert positions.split_layer(lora(True), 30) == 30
+    with pytest.raises(ValueError, match=r"recompute_layers 31 is outside 0\.\.30"):
+        positions.split_layer(split(True, 31), 30)
+
+
+def test_a_split_modules_prefix_blocks_live_in_its_split_namespace():
+    from server.kv.keys import Namespace
+
+    lay = positions.layout(split(True, 8), 35, family=FAMILY, salt="t")
+    assert lay.prefix == Namespace.split("r" * 64, recompute_layers=8, salt="t")
+    assert [lay.namespace_of(i, block_size=16).kind for i in range(3)] == [
+        NamespaceKind.SPLIT, NamespaceKind.SPLIT, NamespaceKind.MODULE]
+    lossy = positions.layout(split(True, 8), 35, family=FAMILY, salt="t", prefix_codec="int8")
+    assert lossy.prefix == Namespace.split("r" * 64, recompute_layers=8, salt="t").lossy("int8")
+    assert positions.layout(lora(True), 35, family=FAMILY).prefix is None
+    assert positions.layout(split(False, 8), 0, family=FAMILY).prefix is None  # private: no split

@@ -142,3 +142,13 @@ def test_a_split_namespace_is_its_own_and_does_not_depend_on_the_ip():
     with pytest.raises(ValueError, match="split namespace of the module's tenant"):
         Layout(fam, Namespace.module("m" * 64, invocation_point=40, salt="t"),
                Namespace.split("m" * 64, recompute_layers=8, salt="u"))
+
+
+def test_split_namespaces_default_to_the_default_tenant_and_need_a_module_side():
+    assert Namespace.split("m" * 64, recompute_layers=1) == Namespace(NamespaceKind.SPLIT, "m" * 64 + "/recompute-1", "")
+    fam = Namespace.family("f" * 64)
+    split = Namespace.split("m" * 64, recompute_layers=1)
+    with pytest.raises(ValueError, match="split namespace of the module's tenant"):
+        Layout(fam, None, split)  # a prefix namespace without a module side
+    with pytest.raises(ValueError, match="split namespace of the module's tenant"):
+        Layout(fam, Namespace.module("m" * 64, invocation_point=4), Namespace.module("m" * 64, invocation_point=4))
