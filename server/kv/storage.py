@@ -70,7 +70,6 @@ class KVStorage:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.hidden_width = hidden_width
         self.bytes_per_block = self.block_bytes(spec, block_size, hidden_depths, hidden_width)
         shape = (spec.num_kv_heads, num_blocks * block_size, spec.head_dim)
         try:
