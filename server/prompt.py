@@ -87,22 +87,33 @@ def chat_prompt(
     turn: Sequence[Message],
     *,
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    final: int = 1,
 ) -> Prompt:
-    """Lay out ``context`` (shared messages) then ``turn`` (the agent's own, last = its instruction)."""
+    """Lay out ``context`` (shared messages) then ``turn`` (the agent's own, last = its instruction).
+
+    ``tools`` go to the template as ``tools=`` (a template that renders them). ``final``: how many
+    of ``turn``'s last messages form its final turn, for templates that render several messages
+    as one block (Qwen's template joins consecutive tool results into one user turn); the final
+    turn starts at its first message.
+    """
     if not turn:
         raise InvalidRequest("the agent's turn is empty: it needs at least its instruction message")
+    if not 1 <= final <= len(turn):
+        raise ValueError(f"final={final} must be within the turn's {len(turn)} messages")
     for m in [*context, *turn]:
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise InvalidRequest(f"every message needs a string 'role' and 'content'; got {dict(m)!r}")
+    extra = {"tools": list(tools)} if tools else {}
 
     def render(messages: Sequence[Message], gen: bool) -> list[int]:
         if not messages:
             return []
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=gen)
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=gen, **extra)
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     ctx = render(context, False)
-    before_turn = render([*context, *turn[:-1]], False)
+    before_turn = render([*context, *turn[:-final]], False)
     without_header = render([*context, *turn], False)
     full = render([*context, *turn], add_generation_prompt)
     for part, name in (

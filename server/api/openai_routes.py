@@ -52,7 +52,9 @@ from server.api.tools import (
     active_tools,
     constraint_of,
     could_be_call,
+    listed_tools,
     parse_tool_calls,
+    tool_format,
 )
 from server.engine.sampling import SamplingParams
 
@@ -71,9 +73,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     state = server_state(request)
     _refuse_unsupported(body)
     card = agent(state, body.model)
+    fmt = tool_format(state.facts.tokenizer)
     tools = active_tools(body)
-    prompt = chat_request_prompt(state.facts.tokenizer, body.messages, tools)
-    spec = body.sampling().model_copy(update={"constraint": constraint_of(body)})
+    prompt = chat_request_prompt(state.facts.tokenizer, body.messages, listed_tools(body, fmt))
+    spec = body.sampling().model_copy(update={"constraint": constraint_of(body, fmt)})
     params = SamplingParams.from_spec(spec, default_max_tokens=state.config.default_max_tokens)
     n, rid = body.n or 1, new_id("chatcmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream, prompt_tokens=len(prompt.token_ids))

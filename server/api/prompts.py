@@ -24,18 +24,29 @@ from typing import Any
 
 from agentshare.protocol import ChatMessage, Tool
 from server.api.errors import ApiError, unprocessable
-from server.api.tools import render_messages
+from server.api.tools import ToolFormat, render_messages, template_tools, tool_format
 from server.prompt import ChatTokenizer, Prompt, chat_prompt, text_prompt
 
 
 def chat_request_prompt(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage],
                         tools: Sequence[Tool] | None = None) -> Prompt:
     """context = messages[:-1], the agent's turn = messages[-1:]. With ``tools`` (an OpenAI chat
-    request's, possibly none), tool calls, tool results and the tool prompt are rendered as
-    ``server/api/tools.py`` lays them out."""
-    rendered = ([m.as_template_message() for m in messages] if tools is None
-                else render_messages(messages, tools, native=False))
-    return chat_prompt(tokenizer, rendered[:-1], rendered[-1:])
+    request's, possibly none), tool calls, tool results and the tools are rendered in the
+    tokenizer's :func:`~server.api.tools.tool_format`. In the ``template`` format the tools go to
+    the template, and trailing tool results form the agent's final turn together (a template may
+    render them as one block)."""
+    if tools is None:
+        rendered = [m.as_template_message() for m in messages]
+        return chat_prompt(tokenizer, rendered[:-1], rendered[-1:])
+    if tool_format(tokenizer) is ToolFormat.PROMPT:
+        rendered = render_messages(messages, tools, native=False)
+        return chat_prompt(tokenizer, rendered[:-1], rendered[-1:])
+    rendered = render_messages(messages, tools, native=True)
+    final = 1
+    while final < len(messages) and messages[-final].role == "tool" and messages[-final - 1].role == "tool":
+        final += 1
+    return chat_prompt(tokenizer, rendered[:-final], rendered[-final:], tools=template_tools(tools) or None,
+                       final=final)
 
 
 def completion_prompts(tokenizer: ChatTokenizer, prompt: str | list[str] | list[int] | list[list[int]],
