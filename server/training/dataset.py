@@ -4,7 +4,8 @@ One JSON object per line::
 
     {"context": "<shared document>" | [{"role": ..., "content": ...}, ...],
      "instruction": "<the agent's question>", "response": "<what it should answer>",
-     "family": "<64 hex, optional: the prefill family the row was made for>"}
+     "family": "<64 hex, optional: the prefill family the row was made for>",
+     "role": "user" | "tool" (optional, default "user": the role of the instruction's message)}
 
 Each row is laid out with :func:`server.prompt.chat_prompt` — exactly as the server lays out a
 request — so the invocation point (IP) at training equals the IP at serving. Errors name the
@@ -35,6 +36,8 @@ from server import positions
 from server.prompt import Placement, chat_prompt
 
 REQUIRED = ("context", "instruction", "response")
+ROLES = ("user", "tool")
+"""Roles the instruction's message may have: a question, or the tool results a ReAct step reads."""
 
 
 class DataError(ValueError):
@@ -52,6 +55,7 @@ class Example:
     source: str = "data"
     family: str | None = None
     task: str | None = None
+    role: str = "user"
 
     @property
     def where(self) -> str:
@@ -105,8 +109,11 @@ def parse_row(obj: Any, *, line: int = 0, source: str = "data") -> Example:
     if family is not None and not isinstance(family, str):
         raise DataError(f"{where}: field 'family' must be a string")
     task = obj.get("task")
+    role = obj.get("role", "user")
+    if role not in ROLES:
+        raise DataError(f"{where}: field 'role' must be one of {', '.join(map(repr, ROLES))}, got {role!r}")
     return Example(messages, obj["instruction"], obj["response"], line, source, family,
-                   task if isinstance(task, str) else None)
+                   task if isinstance(task, str) else None, role)
 
 
 def read_jsonl(path: Path | str) -> list[Example]:
@@ -147,7 +154,7 @@ def check_family(examples: Sequence[Example], family: str) -> None:
 
 def prompt_of(tokenizer: Any, ex: Example) -> Any:
     """The canonical :class:`server.prompt.Prompt` of an example (no response)."""
-    return chat_prompt(tokenizer, list(ex.context), [{"role": "user", "content": ex.instruction}])
+    return chat_prompt(tokenizer, list(ex.context), [{"role": ex.role, "content": ex.instruction}])
 
 
 def encode(examples: Sequence[Example], tokenizer: Any, *, placement: Placement = Placement.TURN,
