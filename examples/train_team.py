@@ -16,6 +16,12 @@ planning       planning  15: within 1 point of its own-prefill fine-tune in the 
 coding         tool      0: full sharing is within 1 point on tool calling
 =============  ========  =====================================================================
 
+The coding agent also learns OpenAI tool calling in the server's tool prompt format
+(``server/training/tool_chat.py``): it calls a listed tool when one answers the question
+(``tool_choice="auto"``), answers from the results, and answers plain text otherwise. Its
+``heldout.json`` adds ``tool_chat``: held-out steps of that loop with the tools it was trained
+on, and with tools it never saw.
+
 Rank 8 on all seven projections, saved in bf16 (about 4.9 MB a module). Beside each module,
 ``heldout.json`` records its accuracy on held-out episodes through the engine, with the shared
 prefill (as served) and on its own prefill (the same weights, no manifest), and how it was made;
@@ -39,6 +45,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout: the project's own p
 
 from server.models.loader import default_model_dir  # noqa: E402
 from server.modules.manifest import MANIFEST_FILE  # noqa: E402
+from server.training import tool_chat  # noqa: E402
 from server.training.dataset import parse_row, write_jsonl  # noqa: E402
 from server.training.evaluate import accuracy, engine_answers, paired_bootstrap  # noqa: E402
 from server.training.tasks import Difficulty, generate  # noqa: E402
@@ -52,7 +59,10 @@ TEAM = {  # agent -> (task, recompute_layers, training examples)
     "planning": ("planning", 15, 400),
     "coding": ("tool", 0, 400),
 }
-MAX_NEW = {"retrieval": 12, "planning": 8, "tool": 48}
+MAX_NEW = {"retrieval": 12, "planning": 8, "tool": 48, tool_chat.TASK: 64}
+TOOL_CHAT = {"coding": 600}
+"""Agents that also learn OpenAI tool calling, and how many tool-chat rows they train on."""
+TOOL_CHAT_EVAL = {"seen": 200, "unseen": 100}
 CHECK = 24
 """Held-out episodes of the check the tests run (the first of the held-out set)."""
 RANK, ALPHA = 8, 16.0
@@ -86,12 +96,33 @@ def evaluate(agent: str, module_dir: Path, n: int, threads: int) -> dict:
                                dtype="bfloat16", max_new_tokens=MAX_NEW[task], threads=threads,
                                include_base=False, progress=True)
     correct = {k: accuracy(task, v, examples) for k, v in preds.items()}
-    return {
+    out = {
         "examples": n, "seed": HELD_OUT_SEED,
         "accuracy": {"shared": sum(correct["shared"]) / n, "own_prefill": sum(correct["own"]) / n},
         "shared_minus_own": paired_bootstrap(correct["shared"], correct["own"]),
         "eval_seconds": round(time.perf_counter() - t0, 1),
     }
+    if agent in TOOL_CHAT:
+        out["tool_chat"] = {tools: evaluate_tool_chat(module_dir, n_rows, unseen=tools == "unseen", threads=threads)
+                            for tools, n_rows in TOOL_CHAT_EVAL.items()}
+    return out
+
+
+def evaluate_tool_chat(module_dir: Path, n: int, *, unseen: bool, threads: int) -> dict:
+    """Held-out tool-chat steps through the engine (bf16, greedy, no grammar), per kind of step:
+    the module against the base model."""
+    rows = tool_chat.generate(n, seed=HELD_OUT_SEED, unseen=unseen)
+    examples = [parse_row(r, line=i + 1) for i, r in enumerate(rows)]
+    preds = engine_answers(default_model_dir(), {"module": module_dir}, examples, dtype="bfloat16",
+                           max_new_tokens=MAX_NEW[tool_chat.TASK], threads=threads, include_base=True,
+                           progress=True)
+    out: dict = {"examples": n, "seed": HELD_OUT_SEED}
+    for arm, texts in preds.items():
+        by_kind: dict[str, list[bool]] = {}
+        for text, row in zip(texts, rows, strict=True):
+            by_kind.setdefault(row["kind"], []).append(tool_chat.score(text, row))
+        out[arm] = {kind: {"correct": sum(v), "of": len(v)} for kind, v in sorted(by_kind.items())}
+    return out
 
 
 def check(agent: str, module_dir: Path, *, threads: int | None = None) -> dict:
@@ -120,7 +151,9 @@ def train(agent: str, a: argparse.Namespace) -> None:
     task, k, n_train = TEAM[agent]
     out = MODULES / agent
     with tempfile.TemporaryDirectory() as tmp:
-        data = write_jsonl(generate(task, n_train, seed=TRAIN_SEED, difficulty=SCENARIO), Path(tmp) / "train.jsonl")
+        rows = generate(task, n_train, seed=TRAIN_SEED, difficulty=SCENARIO)
+        rows += tool_chat.generate(TOOL_CHAT.get(agent, 0), seed=TRAIN_SEED)
+        data = write_jsonl(rows, Path(tmp) / "train.jsonl")
         if out.exists():
             shutil.rmtree(out)
         result = finetune(FinetuneConfig(
@@ -131,7 +164,8 @@ def train(agent: str, a: argparse.Namespace) -> None:
     (out / "README.md").unlink(missing_ok=True)  # peft's empty model card
     record = {
         "agent": agent, "task": task, "recompute_layers": k, "rank": RANK, "alpha": ALPHA,
-        "scenario": asdict(SCENARIO), "train_examples": n_train, "train_seed": TRAIN_SEED,
+        "scenario": asdict(SCENARIO), "train_examples": n_train, "tool_chat_examples": TOOL_CHAT.get(agent, 0),
+        "train_seed": TRAIN_SEED,
         "steps": result.steps, "train_seconds": round(result.seconds, 1),
         "command": f"python examples/train_team.py --agents {agent} --eval {a.eval}",
         "heldout": evaluate(agent, out, a.eval, a.threads),

@@ -1,9 +1,12 @@
-"""LangGraph's prebuilt ReAct agent with ChatOpenAI and one Python tool against the real server
-on the default model (SmolLM2-135M-Instruct), tool_choice auto."""
+"""LangGraph's prebuilt ReAct agent with ``ChatOpenAI`` and one Python tool against the real server:
+the shipped coding module (examples/modules/coding, trained on tool-chat rows that never list this
+tool) calls it of its own accord (``tool_choice`` auto) and answers from its result. The base
+model is the measured contrast: it answers in plain text and never calls."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -18,29 +21,27 @@ from langgraph.prebuilt import create_react_agent
 
 from agentshare.local_server import LocalServer
 from server.models.loader import default_model_dir
-from tests.sdk.conftest import server_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
-# Measured with the documented prompt: in auto mode SmolLM2-135M answers "The capital city of a
-# country is Paris." in plain text (repeated to max_tokens) and never writes a call; with
-# tool_choice "required" it calls capital_of({"country": "France"}), and after the result it
-# answers from it. Strict: this test fails loudly once the model (or prompt) makes auto calls.
-AUTO_DOES_NOT_CALL = pytest.mark.xfail(strict=True, reason="SmolLM2-135M does not call tools in auto mode")
-
+CODING = Path(__file__).resolve().parents[2] / "examples" / "modules" / "coding"
 CALLS: list[dict[str, str]] = []
+CAPITALS = {"france": "Paris", "peru": "Lima", "kenya": "Nairobi"}
 
 
 @tool
 def capital_of(country: str) -> str:
     """The capital city of a country."""
     CALLS.append({"country": country})
-    return {"france": "Paris"}.get(country.strip().lower(), "unknown")
+    return CAPITALS.get(country.strip().lower(), "unknown")
 
 
 @pytest.fixture(scope="module")
-def default_server() -> Iterator[str]:
-    server = LocalServer(server_args(default_model_dir(progress=False)), startup_timeout=240)
+def team_server() -> Iterator[str]:
+    """The default model in bf16 (the coding module's family) with the shipped coding module."""
+    server = LocalServer(["--model", str(default_model_dir(progress=False)), "--dtype", "bfloat16",
+                          "--kv-cache", "128MiB", "--threads", "2", "--log-level", "warning",
+                          "--module", f"coding={CODING}"], startup_timeout=240)
     anyio.run(server.start)
     try:
         yield server.url
@@ -48,15 +49,30 @@ def default_server() -> Iterator[str]:
         anyio.run(server.stop)
 
 
-@AUTO_DOES_NOT_CALL
-def test_react_agent_calls_the_tool_and_uses_its_result(default_server: str) -> None:
-    llm = ChatOpenAI(base_url=default_server + "/v1", api_key="-", model="base",  # type: ignore[arg-type, call-arg]
+def react(url: str, model: str, question: str) -> list:
+    llm = ChatOpenAI(base_url=url + "/v1", api_key="-", model=model,  # type: ignore[arg-type, call-arg]
                      temperature=0, max_tokens=64, max_retries=0)
-    agent = create_react_agent(llm, [capital_of])
-    out = agent.invoke({"messages": [("user", "What is the capital of France? Use the capital_of tool.")]},
-                       {"recursion_limit": 6})
-    msgs = out["messages"]
+    out = create_react_agent(llm, [capital_of]).invoke({"messages": [("user", question)]}, {"recursion_limit": 6})
+    return out["messages"]
+
+
+@pytest.mark.parametrize(("question", "country", "capital"), [
+    ("What is the capital of France? Use the capital_of tool.", "france", "Paris"),
+    ("What is the capital of Peru?", "peru", "Lima"),
+])
+def test_react_agent_calls_the_tool_and_uses_its_result(team_server: str, question: str, country: str,
+                                                        capital: str) -> None:
+    CALLS.clear()
+    msgs = react(team_server, "coding", question)
     calls = [c for m in msgs if isinstance(m, AIMessage) for c in m.tool_calls]
-    assert calls and calls[0]["name"] == "capital_of" and isinstance(calls[0]["args"].get("country"), str), msgs
-    assert any(isinstance(m, ToolMessage) and m.content == "Paris" for m in msgs), msgs
-    assert "Paris" in str(msgs[-1].content), msgs[-1]
+    assert calls and calls[0]["name"] == "capital_of", msgs
+    assert calls[0]["args"]["country"].strip().lower() == country, calls
+    assert CALLS and CALLS[0]["country"].strip().lower() == country
+    assert any(isinstance(m, ToolMessage) and m.content == capital for m in msgs), msgs
+    assert isinstance(msgs[-1], AIMessage) and not msgs[-1].tool_calls and capital in str(msgs[-1].content), msgs[-1]
+
+
+def test_the_base_model_answers_without_calling(team_server: str) -> None:
+    """Measured contrast: SmolLM2-135M itself does not call tools in auto mode."""
+    msgs = react(team_server, "base", "What is the capital of France? Use the capital_of tool.")
+    assert not [c for m in msgs if isinstance(m, AIMessage) for c in m.tool_calls], msgs
