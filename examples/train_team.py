@@ -60,7 +60,7 @@ TEAM = {  # agent -> (task, recompute_layers, training examples)
     "coding": ("tool", 0, 400),
 }
 MAX_NEW = {"retrieval": 12, "planning": 8, "tool": 48, tool_chat.TASK: 64}
-TOOL_CHAT = {"coding": 600}
+TOOL_CHAT = {"coding": 800}
 """Agents that also learn OpenAI tool calling, and how many tool-chat rows they train on."""
 TOOL_CHAT_EVAL = {"seen": 200, "unseen": 100}
 CHECK = 24

@@ -52,13 +52,34 @@ _TEST = ("tests/test_api.py", "tests/test_db.py", "tests/test_cli.py", "tests/te
 _DAY = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday")
 
 
+_PART = ("ledger", "cache", "queue", "auth", "billing", "search", "event", "stream", "report", "export",
+         "image", "token", "order", "notify", "sync", "batch", "index", "gateway", "payment", "audit",
+         "session", "profile", "metric", "schedule", "archive", "render", "mail", "route", "backup", "shard")
+_ROLE = ("writer", "reader", "worker", "service", "proxy", "api", "store", "daemon", "runner", "bot")
+
+
 def _pick(pool: tuple[str, ...]) -> Any:
     return lambda rng: rng.choice(pool)
 
 
+def _ident(rng: random.Random) -> str:
+    """A made-up identifier (``billing-proxy``, ``audit_runner2``, ``Searchstore``): arguments the
+    model can only copy from the question, never recall from a list."""
+    a, b = rng.choice(_PART), rng.choice(_PART + _ROLE)
+    form = rng.randrange(4)
+    if form == 0:
+        return f"{a}-{b}"
+    if form == 1:
+        return f"{a}_{b}{rng.randint(1, 9)}"
+    if form == 2:
+        return f"{a.capitalize()}{b}"
+    return f"{a}-{b}-{rng.choice(_ROLE)}"
+
+
 _VALUES = {"city": _pick(_CITY), "country": _pick(_COUNTRY), "person": _pick(_PERSON), "word": _pick(_WORD),
            "language": _pick(_LANG), "ticker": _pick(_TICKER), "file": _pick(_FILE), "test": _pick(_TEST),
-           "day": _pick(_DAY), "int": lambda rng: rng.randint(2, 500), "order": lambda rng: rng.randint(1000, 9999)}
+           "day": _pick(_DAY), "int": lambda rng: rng.randint(2, 500), "order": lambda rng: rng.randint(1000, 9999),
+           "ident": _ident}
 _RESULTS = {
     "weather": lambda rng: f"{rng.randint(-5, 34)} C, {rng.choice(('sunny', 'cloudy', 'rain', 'snow', 'windy'))}",
     "number": lambda rng: str(rng.randint(2, 99999)),
@@ -74,6 +95,10 @@ _RESULTS = {
     "booking": lambda rng: f"confirmed at {rng.randint(9, 17)}:00",
     "code": lambda rng: f"+{rng.randint(1, 99)}",
     "continent": lambda rng: rng.choice(("Europe", "Africa", "Asia", "South America", "North America")),
+    "version": lambda rng: f"{rng.randint(0, 12)}.{rng.randint(0, 30)}.{rng.randint(0, 9)}",
+    "restart": lambda rng: rng.choice(("restarted, 3 of 3 pods ready", "restarted, healthy", "restart failed: timeout")),
+    "user": lambda rng: f"{rng.choice(_PERSON)}, {rng.choice(('admin', 'editor', 'viewer'))}",
+    "owner": lambda rng: rng.choice(("team payments", "team storage", "team search", "team platform")),
 }
 
 
@@ -137,6 +162,19 @@ TOOL_KINDS: tuple[ToolKind, ...] = (
              (("person", "string", "person"), ("day", "string", "day")),
              ("Book a meeting with {person} on {day}.", "Schedule time with {person} on {day}, please."),
              "Your meeting with {person} on {day} is {result}.", "booking"),
+    ToolKind(("package_version", "installed_version"), "The installed version of a software package.",
+             (("package", "string", "ident"),), ("Which version of {package} is installed?",
+                                                 "What version of the {package} package do we have?"),
+             "{package} is at version {result}.", "version"),
+    ToolKind(("restart_service", "restart"), "Restart a service and report its state.",
+             (("service", "string", "ident"),), ("Restart {service}.", "Please restart the {service} service."),
+             "{service}: {result}.", "restart"),
+    ToolKind(("lookup_user", "find_user"), "Look up an account by its username.",
+             (("username", "string", "ident"),), ("Who is the user {username}?", "Look up the account {username}."),
+             "{username} is {result}.", "user"),
+    ToolKind(("owner_of", "service_owner"), "The team that owns a service.",
+             (("service", "string", "ident"),), ("Who owns {service}?", "Which team owns the {service} service?"),
+             "{service} is owned by {result}.", "owner"),
     ToolKind(("square", "square_number"), "The square of an integer.",
              (("n", "integer", "int"),), ("What is {n} squared?", "Compute the square of {n}."),
              "{n} squared is {result}.", "number"),
@@ -239,7 +277,7 @@ def _history(rng: random.Random) -> list[ChatMessage]:
 
 def _episode(rng: random.Random, kind: ToolKind, *, unseen: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     tools, name = _toolset(rng, kind, unseen=unseen)
-    two = len(kind.params) == 1 and rng.random() < 0.12  # ask about two things: two calls
+    two = len(kind.params) == 1 and rng.random() < 0.2  # ask about two things: two calls
     args = [{p: _VALUES[v](rng) for p, _, v in kind.params} for _ in range(2 if two else 1)]
     if two and args[0] == args[1]:
         args = args[:1]
