@@ -52,7 +52,8 @@ MODULES: dict[str, Module] = {
                        ("tests/server/engine/test_sampling.py", "tests/server/engine/test_sampling_robust.py")),
     "protocol": Module("agentshare/protocol.py", ("tests/sdk/test_protocol.py",)),
     "codec": Module("server/cluster/codec.py", ("tests/server/cluster/test_codec.py",)),
-    "tools": Module("server/api/tools.py", ("tests/server/api/test_tool_format.py", "tests/server/api/test_tools.py")),
+    "tools": Module("server/api/tools.py", ("tests/server/api/test_tool_format.py", "tests/server/api/test_tools.py",
+                                            "tests/server/api/test_tools_template.py")),
     "int8": Module("server/cluster/codecs/int8.py", ("tests/server/cluster/test_codec.py",)),
     # which module's weights compute each row: base rows exact, each LoRA row its own deltas only
     "projection": Module("server/engine/projection.py", ("tests/server/engine/test_engine_projection.py",)),

@@ -124,3 +124,39 @@ def test_chat_prompt_without_a_shared_context_starts_the_turn_at_zero():
     assert (p.context_len, p.turn_start) == (0, 0)
     assert chars(p.token_ids[p.header_start:]) == "<assistant>"
     assert p.invocation_point(Placement.TURN) == 0
+
+
+class ToolToy:
+    """A template that renders ``tools`` first and joins consecutive tool results into one block."""
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, tools=None):
+        assert tokenize is False
+        out = f"<tools {','.join(t['name'] for t in tools)}>" if tools else ""
+        for i, m in enumerate(messages):
+            if m["role"] == "tool":
+                first = i == 0 or messages[i - 1]["role"] != "tool"
+                last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+                out += ("<results>" if first else "") + m["content"] + ("|" if last else ";")
+            else:
+                out += f"<{m['role']}>{m['content']}|"
+        return out + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens):
+        return [ord(c) for c in text]
+
+
+def test_tools_reach_the_template_and_a_final_turn_may_be_several_messages():
+    ctx = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "calls"}]
+    results = [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    p = chat_prompt(ToolToy(), ctx, results, tools=[{"name": "add"}], final=2)
+    text = "".join(map(chr, p.token_ids))
+    assert text == "<tools add><user>q|<assistant>calls|<results>1;2|<assistant>"
+    assert p.context_len == p.turn_start == len("<tools add><user>q|<assistant>calls|")
+    assert "".join(map(chr, p.token_ids[p.turn_start:p.header_start])) == "<results>1;2|"
+    assert chat_prompt(ToolToy(), ctx, results[:1], tools=[]).token_ids[0] == ord("<")  # no tools: none listed
+    assert "<tools" not in "".join(map(chr, chat_prompt(ToolToy(), ctx, results[:1], tools=[]).token_ids))
+    with pytest.raises(InvalidRequest, match="renders the agent's earlier messages differently"):
+        chat_prompt(ToolToy(), ctx, results, tools=[{"name": "add"}])  # one at a time: not prefix-stable
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"final={bad} must be within the turn's 2 messages"):
+            chat_prompt(ToolToy(), ctx, results, final=bad)

@@ -194,3 +194,19 @@ def test_template_supports_tools() -> None:
     assert template_supports_tools(Tok("{% if tools %}{{ tools | tojson }}{% endif %}"))
     assert not template_supports_tools(Tok("{% for m in messages %}{{ m['content'] }}{% endfor %}"))
     assert not template_supports_tools(Tok(None)) and not template_supports_tools(object())
+
+
+def test_explicit_auto_allows_text_and_defaults_hold_calls() -> None:
+    auto = constraint_of(req(tools=[ADD], tool_choice="auto"))
+    assert auto is not None and _accepts(auto.value, "Five.")
+    assert not _accepts(call_grammar([Tool.model_validate(ADD)], parallel=True), "Five.")  # or_text is off by default
+
+
+def test_a_json_schema_without_a_schema_is_any_json() -> None:
+    c = constraint_of(req(response_format={"type": "json_schema", "json_schema": {"name": "x"}}))
+    assert c is not None and (c.kind, c.value) == ("json_schema", "{}")
+
+
+def test_a_call_without_arguments_has_empty_ones() -> None:
+    calls = parse_tool_calls('<tool_call>{"name": "add"}</tool_call>', "r")
+    assert calls is not None and calls[0]["function"] == {"name": "add", "arguments": "{}"}

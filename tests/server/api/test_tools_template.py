@@ -22,6 +22,7 @@ from server.api.tools import (
     call_grammar,
     listed_tools,
     parse_tool_calls,
+    render_messages,
     template_tools,
     tool_format,
 )
@@ -201,3 +202,19 @@ def test_the_server_reads_a_history_of_calls_and_results(hermes_url: str) -> Non
                              "max_tokens": 8})
     assert res.usage is not None and res.usage.prompt_tokens > 40
     assert res.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_native_messages_carry_the_openai_shapes() -> None:
+    """What the template is handed: calls with type, id and parsed arguments; results with their id;
+    plain messages untouched; no tool prompt appended."""
+    raw = [*CONVERSATION[1:3], {"role": "assistant", "content": "Let me add."}, *CONVERSATION[3:]]
+    out = render_messages(messages(raw), [Tool.model_validate(ADD)], native=True)
+    assert out[0] == CONVERSATION[1] and out[2] == {"role": "assistant", "content": "Let me add."}
+    assert out[3] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "c1", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
+        {"type": "function", "id": "c2", "function": {"name": "add", "arguments": {"a": 4, "b": 1}}}]}
+    assert out[4] == {"role": "tool", "content": "5", "tool_call_id": "c1"}
+    assert template_tools([Tool.model_validate(ADD)]) == [{"type": "function", "function": {
+        "name": "add", "description": "Add two integers", "parameters": ADD["function"]["parameters"]}}]
+    bare = render_messages(messages([{"role": "tool", "content": "5"}]), [], native=True)
+    assert bare == [{"role": "tool", "content": "5"}]  # no id given: none invented
