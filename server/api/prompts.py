@@ -35,18 +35,14 @@ def chat_request_prompt(tokenizer: ChatTokenizer, messages: Sequence[ChatMessage
     tokenizer's :func:`~server.api.tools.tool_format`. In the ``template`` format the tools go to
     the template, and trailing tool results form the agent's final turn together (a template may
     render them as one block)."""
-    if tools is None:
-        rendered = [m.as_template_message() for m in messages]
-        return chat_prompt(tokenizer, rendered[:-1], rendered[-1:])
-    if tool_format(tokenizer) is ToolFormat.PROMPT:
-        rendered = render_messages(messages, tools, native=False)
-        return chat_prompt(tokenizer, rendered[:-1], rendered[-1:])
-    rendered = render_messages(messages, tools, native=True)
+    native = tools is not None and tool_format(tokenizer) is ToolFormat.TEMPLATE
+    rendered = ([m.as_template_message() for m in messages] if tools is None
+                else render_messages(messages, tools, native=native))
     final = 1
-    while final < len(messages) and messages[-final].role == "tool" and messages[-final - 1].role == "tool":
+    while native and final < len(messages) and messages[-final].role == messages[-final - 1].role == "tool":
         final += 1
-    return chat_prompt(tokenizer, rendered[:-final], rendered[-final:], tools=template_tools(tools) or None,
-                       final=final)
+    listed = template_tools(tools) if native and tools else None
+    return chat_prompt(tokenizer, rendered[:-final], rendered[-final:], tools=listed, final=final)
 
 
 def completion_prompts(tokenizer: ChatTokenizer, prompt: str | list[str] | list[int] | list[list[int]],
