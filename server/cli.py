@@ -46,6 +46,11 @@ def _registered(registry: str, option: str) -> Callable[[str], str]:
     return parse
 
 
+_DEVICE_HELP = "auto (the first CUDA device this process sees, else the CPU), cpu, cuda or cuda:N; logged at start"
+_KV_HELP = ("KV pool size, e.g. 512MiB, 2GiB; auto: 1GiB on the CPU, on a CUDA device what "
+            "--gpu-memory-utilization leaves after the weights")
+_UTIL_HELP = "with --kv-cache auto on a CUDA device: the fraction of its memory this server may hold (weights and KV)"
+
 _CODEC = _registered("server.cluster.codecs", "--transfer-codec")
 _PLACEMENT = _registered("server.policy.placement", "--placement-policy")
 _POLICIES = "[" + "|".join(placement.names()) + "]"
@@ -71,8 +76,9 @@ def finetune(
     max_length: int = typer.Option(2048), seed: int = typer.Option(0),
     kv_dtype: str = typer.Option("bfloat16", help="KV dtype the server will use (part of the family)"),
     family: str | None = typer.Option(None, help="refuse a base not of this family digest"),
-    bf16: bool = typer.Option(False, help="bf16 autocast matmuls (faster on CPUs with AMX)"),
+    bf16: bool = typer.Option(False, help="bf16 autocast matmuls (faster on CPUs with AMX, and on GPUs)"),
     checkpoint_every: int = typer.Option(50), threads: int | None = typer.Option(None),
+    device: str = typer.Option("auto", help=_DEVICE_HELP),
     standard: bool = typer.Option(False, help="train on the module's own prefill (no sharing, no manifest)"),
     layers: int = typer.Option(0, help="tune only the top N layers; the ones below stay the base's (0: all)"),
     recompute: int = typer.Option(0, help="the module recomputes the shared prefix's KV of its top K layers "
@@ -111,7 +117,9 @@ def serve(
     module: list[str] | None = typer.Option(None, help="agent as NAME=PATH to a decode module (repeat)"),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16"),
     threads: int | None = typer.Option(None, help="torch threads (default: OMP_NUM_THREADS, else the physical cores this process may use; logged at start)"),
-    kv_cache: str = typer.Option("1GiB", help="KV pool size, e.g. 512MiB, 2GiB"),
+    device: str = typer.Option("auto", help=_DEVICE_HELP),
+    kv_cache: str = typer.Option("auto", help=_KV_HELP),
+    gpu_memory_utilization: float = typer.Option(0.9, help=_UTIL_HELP),
     max_running: int = typer.Option(64, help="requests decoding together"),
     queue_limit: int = typer.Option(1024, help="requests waiting; beyond it: 429"),
     step_timeout: float = typer.Option(60.0, help="seconds an engine step may run before its requests fail "
@@ -128,6 +136,10 @@ def serve(
     disaggregated: bool = typer.Option(False, help="run prefill and decode in worker processes, this one routes"),
     prefill_workers: int = typer.Option(1, help="with --disaggregated: prefill worker processes"),
     decode_workers: int = typer.Option(2, help="with --disaggregated: decode worker processes (agents dealt round-robin)"),
+    prefill_devices: str | None = typer.Option(None, help="with --disaggregated: CUDA device indices of the prefill "
+                                               "workers, e.g. 0 (dealt round-robin; each worker sees its own only)"),
+    decode_devices: str | None = typer.Option(None, help="with --disaggregated: CUDA device indices of the decode "
+                                              "workers, e.g. 1,2"),
     transfer_codec: str = typer.Option("bf16", parser=_CODEC, metavar="CODEC", help="with --disaggregated: KV payload codec, "
                                        "a name registered in server/cluster/codecs (built in: fp32, bf16, "
                                        "int8; int8 puts moved blocks in the lossy namespace)"),
@@ -176,12 +188,22 @@ def serve(
         return
     if node:
         raise typer.BadParameter("--node needs --engine vllm")
+    _check_device(device)
     if not disaggregated:
+        if prefill_devices or decode_devices:
+            raise typer.BadParameter("--prefill-devices and --decode-devices need --disaggregated; one server "
+                                     "runs on --device")
         run_server(config)
         return
-    from server.cluster.launch import serve_disaggregated
+    from server.cluster.launch import parse_devices, serve_disaggregated
 
+    try:
+        on_prefill = parse_devices(prefill_devices, "--prefill-devices")
+        on_decode = parse_devices(decode_devices, "--decode-devices")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     serve_disaggregated(config, prefill=prefill_workers, decode=decode_workers, threads=threads,
+                        prefill_devices=on_prefill, decode_devices=on_decode,
                         router=_router_config(transfer_codec, transport, offload_threshold, bandwidth_aware,
                                               placement_policy),
                         worker_host=worker_host, admin_key=_admin_key(admin_key_file))
@@ -195,7 +217,9 @@ def worker(
     module: list[str] | None = typer.Option(None, help="decode workers: agent as NAME=PATH (repeat)"),
     dtype: str = typer.Option("auto"), threads: int | None = typer.Option(None),
     cpus: str | None = typer.Option(None, help="cores to run on, e.g. 0,1"),
-    kv_cache: str = typer.Option("1GiB"), max_step_tokens: int = typer.Option(512),
+    device: str = typer.Option("auto", help=_DEVICE_HELP),
+    kv_cache: str = typer.Option("auto", help=_KV_HELP), max_step_tokens: int = typer.Option(512),
+    gpu_memory_utilization: float = typer.Option(0.9, help=_UTIL_HELP),
     chunk_blocks: int = typer.Option(32, help="KV blocks per transferred chunk"),
     kv_port: int = typer.Option(0, help="decode workers: port of the KV receiver (0: any)"),
     join: str | None = typer.Option(None, help="router URL to join (a worker on another host)"),
@@ -212,6 +236,7 @@ def worker(
 
     if role not in ("prefill", "decode"):
         raise typer.BadParameter("--role is prefill or decode")
+    _check_device(device)
     config = config_from_options(locals())
     config = type(config)(**{**{f: getattr(config, f) for f in type(config).__dataclass_fields__},
                              "max_step_tokens": max_step_tokens})
@@ -278,6 +303,16 @@ def router(
     serve_router(config_from_options(locals()), worker,
                  _router_config(transfer_codec, transport, offload_threshold, bandwidth_aware, placement_policy),
                  secret=_secret(cluster_secret_file), admin_key=_admin_key(admin_key_file))
+
+
+def _check_device(device: str) -> None:
+    """A ``--device`` this process cannot use is a usage error before anything loads."""
+    from server.engine.device import resolve_device
+
+    try:
+        resolve_device(device)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--device") from None
 
 
 def _require_vllm(what: str) -> None:

@@ -26,7 +26,9 @@ class ServerConfig:
     base_name: str = "base"
     dtype: str = "auto"
     threads: int | None = None
-    kv_cache_bytes: int = 1 << 30
+    device: str = "auto"  # auto, cpu, cuda, cuda:N (server/engine/device.py)
+    kv_cache_bytes: int | None = None  # None: the device's share (1 GiB on the CPU)
+    memory_utilization: float = 0.9  # with kv_cache_bytes None on a CUDA device: its share for this engine
     block_size: int = 16
     max_step_tokens: int = 512
     max_running: int = 64
@@ -65,6 +67,7 @@ class ServerConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
+            memory_utilization=self.memory_utilization,
             max_step_tokens=self.max_step_tokens, max_running=self.max_running,
             max_waiting=self.max_waiting, step_timeout=self.step_timeout,
         )

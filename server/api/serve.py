@@ -37,7 +37,7 @@ def serve(config: ServerConfig) -> None:
     configure_logging(config.log_level)
     tracing.configure("agentshare")
     engine = start_engine(config.model_dir, modules=config.modules, dtype=config.dtype, threads=config.threads,
-                          config=config.engine_config(), base_name=config.base_name)
+                          config=config.engine_config(), base_name=config.base_name, device=config.device)
     core = engine.core
     for name, m in core.modules.items():
         log.info("agent", extra={"event": "agent", "agent": name, "kind": str(m.kind),
@@ -53,6 +53,8 @@ def config_from_options(opts: dict[str, Any]) -> ServerConfig:
     >>> cfg = config_from_options({"module": ["coder=/m/coder"], "kv_cache": "64MiB", "api_key": None})
     >>> cfg.modules, cfg.kv_cache_bytes
     ({'coder': PosixPath('/m/coder')}, 67108864)
+    >>> config_from_options({"kv_cache": "auto", "device": "cpu"}).kv_cache_bytes is None
+    True
     """
     modules: dict[str, Path] = {}
     for spec in opts.get("module") or []:
@@ -68,10 +70,12 @@ def config_from_options(opts: dict[str, Any]) -> ServerConfig:
         "max_waiting": opts.get("queue_limit"), "log_level": opts.get("log_level"),
         "context_ttl": opts.get("context_ttl"), "max_pinned_contexts": opts.get("max_pinned_contexts"),
         "max_pinned_share": opts.get("max_pinned_share"), "step_timeout": opts.get("step_timeout"),
+        "device": opts.get("device"), "memory_utilization": opts.get("gpu_memory_utilization"),
     }
+    kv_cache = (opts.get("kv_cache") or "auto").strip()
     return ServerConfig(
         modules=modules, api_keys=tuple(opts.get("api_key") or ()),
-        kv_cache_bytes=parse_bytes(opts.get("kv_cache") or "1GiB"),
+        kv_cache_bytes=None if kv_cache.lower() == "auto" else parse_bytes(kv_cache),
         **{k: v for k, v in fields.items() if v is not None},
     )
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -80,6 +81,8 @@ class KVChunk:
     """[num_layers, num_kv_heads, num_tokens, head_dim]"""
     v: torch.Tensor
     """Same shape as ``k``; ``num_tokens = num_blocks * block_size``."""
+    wait: Callable[[], None] | None = None
+    """Call before reading ``k``/``v``: their copy from a device may still be on its way."""
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +114,8 @@ def encode(chunk: KVChunk, codec: str, *, block_size: int) -> Frame:
     """Encode ``chunk`` (whole blocks of ``block_size`` tokens) as a ``kv`` frame of ``codec``
     (a registered name; :class:`~server.cluster.codecs.UnknownCodec` otherwise)."""
     impl = codecs.get(codec)
+    if chunk.wait is not None:
+        chunk.wait()
     k, v = chunk.k, chunk.v
     if k.dim() != 4 or k.shape != v.shape:
         raise ValueError(

@@ -32,6 +32,7 @@ import torch
 from server.cluster.codec import KVChunk
 from server.cluster.messages import WorkerError
 from server.engine.core import EngineCore
+from server.engine.device import to_host
 from server.engine.errors import InvalidRequest, Overloaded
 from server.engine.sequence import Phase, Sequence
 from server.kv.pool import BlockState, Pin
@@ -97,8 +98,8 @@ class Inbound:
         if tuple(chunk.k.shape) != want or tuple(chunk.v.shape) != want:
             raise InvalidRequest(f"transfer {self.transfer_id}: KV shape {tuple(chunk.k.shape)}, expected {want}")
         ids = self.block_ids[self.written : self.written + n]
-        slots = core.kv.slots(ids)
-        k, v = chunk.k.to(spec.dtype), chunk.v.to(spec.dtype)
+        slots = core.kv.slots(ids).to(core.kv.device)
+        k, v = chunk.k.to(device=core.kv.device, dtype=spec.dtype), chunk.v.to(device=core.kv.device, dtype=spec.dtype)
         for layer in range(spec.num_layers):
             core.kv.k[layer].index_copy_(1, slots, k[layer])
             core.kv.v[layer].index_copy_(1, slots, v[layer])
@@ -199,14 +200,16 @@ class Outbound:
 
 
 def gather(core: EngineCore, block_ids: list[int], first_block: int) -> KVChunk:
-    """A copy of the K/V of ``block_ids`` (chain positions ``first_block ..``), every layer."""
+    """A host copy of the K/V of ``block_ids`` (chain positions ``first_block ..``), every layer
+    (from a device: on its way, see :func:`~server.engine.device.to_host`)."""
     first, n = block_ids[0], len(block_ids)
     if block_ids == list(range(first, first + n)):  # one strided view per layer
         views = [core.kv.block_view(layer, first, n) for layer in range(core.kv.spec.num_layers)]
         k = torch.stack([kk for kk, _ in views])
         v = torch.stack([vv for _, vv in views])
     else:
-        slots = core.kv.slots(block_ids)
+        slots = core.kv.slots(block_ids).to(core.kv.device)
         k = torch.stack([t.index_select(1, slots) for t in core.kv.k])
         v = torch.stack([t.index_select(1, slots) for t in core.kv.v])
-    return KVChunk(first_block, k, v)
+    (k, v), wait = to_host(k, v)
+    return KVChunk(first_block, k, v, wait)

@@ -50,20 +50,50 @@ class WorkerSpec:
     cpus: tuple[int, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     port: int = 0  # 0: a free port
+    device: str | None = None  # --device of the worker (None: the launcher's own)
+    memory_share: float = 1.0  # of the memory utilization: workers sharing one device split it
+
+
+def parse_devices(text: str | None, option: str) -> tuple[str, ...]:
+    """``"1,2"`` -> ``("1", "2")``: CUDA device indices for one role (``--decode-devices``).
+
+    >>> parse_devices("0", "--prefill-devices"), parse_devices(None, "--decode-devices")
+    (('0',), ())
+    >>> parse_devices("1,x", "--decode-devices")
+    Traceback (most recent call last):
+    ...
+    ValueError: --decode-devices takes CUDA device indices separated by commas (e.g. 1,2), got '1,x'
+    """
+    if not text:
+        return ()
+    parts = tuple(p.strip() for p in text.split(","))
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"{option} takes CUDA device indices separated by commas (e.g. 1,2), got {text!r}")
+    return parts
 
 
 def plan_workers(
-    prefill: int, decode: int, modules: Mapping[str, Path], *, threads: int | None = None, cores: int | None = None
+    prefill: int, decode: int, modules: Mapping[str, Path], *, threads: int | None = None, cores: int | None = None,
+    prefill_devices: Sequence[str] = (), decode_devices: Sequence[str] = (),
 ) -> list[WorkerSpec]:
     """Prefill workers, then decode workers with the agents' modules dealt round-robin (every
     decode worker also serves the base). Threads and cores are shared out without overlap.
 
+    Devices: a role given CUDA device indices deals them round-robin to its workers; each worker
+    sees only its own device (``CUDA_VISIBLE_DEVICES``) and runs on it as ``cuda``. Workers that
+    share a device split its memory share between them.
+
     >>> specs = plan_workers(1, 2, {"a": Path("/a"), "b": Path("/b"), "c": Path("/c")}, cores=2)
     >>> [(s.role, sorted(s.modules), s.threads) for s in specs]
     [('prefill', [], 1), ('decode', ['a', 'c'], 1), ('decode', ['b'], 1)]
+    >>> specs = plan_workers(1, 3, {}, cores=4, prefill_devices=["0"], decode_devices=["1", "2"])
+    >>> [(s.env.get("CUDA_VISIBLE_DEVICES"), s.device, s.memory_share) for s in specs]
+    [('0', 'cuda', 1.0), ('1', 'cuda', 0.5), ('2', 'cuda', 1.0), ('1', 'cuda', 0.5)]
     """
     if prefill < 0 or decode < 1:
         raise ValueError("a cluster needs at least one decode worker and no negative counts")
+    if prefill_devices and not prefill:
+        raise ValueError("--prefill-devices needs prefill workers (--prefill-workers 1 or more)")
     cores = cores or len(os.sched_getaffinity(0))
     n = prefill + decode
     each = threads or max(1, cores // n)
@@ -74,8 +104,18 @@ def plan_workers(
         role: Role = "prefill" if i < prefill else "decode"
         mods = {m: modules[m] for j, m in enumerate(names) if role == "decode" and j % decode == i - prefill}
         cpus = tuple(range(i * each, (i + 1) * each)) if own_cores else ()
-        specs.append(WorkerSpec(role=role, modules=mods, threads=each, cpus=cpus))
-    return specs
+        devices = prefill_devices if role == "prefill" else decode_devices
+        index = i if role == "prefill" else i - prefill
+        if devices:
+            visible = devices[index % len(devices)]
+            specs.append(WorkerSpec(role=role, modules=mods, threads=each, cpus=cpus, device="cuda",
+                                    env={"CUDA_VISIBLE_DEVICES": visible}))
+        else:
+            specs.append(WorkerSpec(role=role, modules=mods, threads=each, cpus=cpus))
+    sharing: dict[str | None, int] = {}
+    for s in specs:
+        sharing[s.env.get("CUDA_VISIBLE_DEVICES")] = sharing.get(s.env.get("CUDA_VISIBLE_DEVICES"), 0) + 1
+    return [replace(s, memory_share=1.0 / sharing[s.env.get("CUDA_VISIBLE_DEVICES")]) for s in specs]
 
 
 @dataclass(slots=True)
@@ -104,7 +144,9 @@ class LocalCluster:
             url = f"http://{config.host}:{port}"
             args = [sys.executable, "-m", "server.cli", "worker", "--role", spec.role, "--host", config.host,
                     "--port", str(port), "--dtype", config.dtype, "--threads", str(spec.threads),
-                    "--kv-cache", str(config.kv_cache_bytes), "--chunk-blocks", str(chunk_blocks),
+                    "--device", spec.device or config.device,
+                    "--gpu-memory-utilization", f"{config.memory_utilization * spec.memory_share:.4f}",
+                    "--kv-cache", str(config.kv_cache_bytes or "auto"), "--chunk-blocks", str(chunk_blocks),
                     "--max-step-tokens", str(config.max_step_tokens), "--log-level", config.log_level]
             if config.model_dir is not None:
                 args += ["--model", str(config.model_dir)]
@@ -130,8 +172,9 @@ class LocalCluster:
         p = self._procs[index]
         if p.proc is not None and p.proc.poll() is None:
             raise RuntimeError(f"worker {index} ({p.url}) is still running")
-        if env is not None:
-            p.spec = replace(p.spec, env=dict(env))
+        if env is not None:  # the device a worker was given stays its own
+            kept = {k: v for k, v in p.spec.env.items() if k == "CUDA_VISIBLE_DEVICES"}
+            p.spec = replace(p.spec, env={**kept, **env})
         if p.log is not None:
             p.log.close()
         environ = {**os.environ, "OMP_NUM_THREADS": str(p.spec.threads), **p.spec.env, **self.secret.env()}
@@ -209,7 +252,7 @@ def serve_worker(
     if role == "prefill" and config.modules:
         raise ValueError("a prefill worker runs the base model only; give --module to decode workers")
     engine = start_engine(config.model_dir, modules=modules, dtype=config.dtype, threads=config.threads,
-                          config=config.engine_config(), base_name=config.base_name)
+                          config=config.engine_config(), base_name=config.base_name, device=config.device)
     core = engine.core
     url = advertise or f"http://{config.host}:{config.port}"
     worker = Worker(engine, role=role, url=url, threads=config.threads or 1, secret=secret, kv_host=config.host,
@@ -253,16 +296,20 @@ def serve_router(
 def serve_disaggregated(
     config: ServerConfig, *, prefill: int, decode: int, router: RouterConfig = RouterConfig(),
     threads: int | None = None, chunk_blocks: int = 32, worker_host: str = "127.0.0.1", admin_key: str | None = None,
+    prefill_devices: Sequence[str] = (), decode_devices: Sequence[str] = (),
 ) -> None:
     """``agentshare serve --disaggregated``: start the workers here (on ``worker_host``, with a
     secret made for them), then serve the router (on ``config.host``)."""
     from server.api.logs import configure_logging
 
     configure_logging(config.log_level)
-    specs = plan_workers(prefill, decode, config.modules, threads=threads)
+    specs = plan_workers(prefill, decode, config.modules, threads=threads, prefill_devices=prefill_devices,
+                         decode_devices=decode_devices)
     for i, s in enumerate(specs):
         log.info("plan", extra={"event": "plan", "worker": i, "role": s.role, "agents": ",".join(s.modules) or "base",
-                                "threads": s.threads, "cpus": ",".join(map(str, s.cpus)) or "shared"})
+                                "threads": s.threads, "cpus": ",".join(map(str, s.cpus)) or "shared",
+                                "device": s.device or config.device,
+                                "cuda_visible_devices": s.env.get("CUDA_VISIBLE_DEVICES", "all")})
     worker_config = replace(config, modules={}, threads=None, host=worker_host)
     cluster = LocalCluster(specs, worker_config, chunk_blocks=chunk_blocks)
     # uvicorn re-raises the SIGTERM it caught once it has shut down; with the default handler

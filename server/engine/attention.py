@@ -17,8 +17,11 @@ The engine uses up to three parts per query (docs/design.md §4)::
 Layout conventions (GQA: ``G = num_heads // num_kv_heads`` query heads share a KV head):
 queries ``[T, Hkv, G, D]``; the KV cache ``[Hkv, slots, D]`` (``server.kv.storage``).
 
-On the CPU each part runs torch's flash kernel, which returns the LSE alongside the output;
-elsewhere an explicit ``matmul + logsumexp`` reference (:func:`reference_partial`) does.
+On the CPU each part runs torch's flash kernel, which returns the LSE alongside the output; on
+a CUDA device torch's memory-efficient kernel does (any dtype, additive masks, the LSE). That
+kernel is checked against :func:`reference_partial` (an explicit ``matmul + logsumexp``) on the
+first call of each kind (dtype, causal, masked); a kernel that fails or disagrees is logged and
+the reference serves that kind from then on (:data:`KERNELS` says which serves what).
 
 >>> q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 6, 16), torch.randn(2, 4, 6, 16)
 >>> a = reference_partial(q, k[..., :3, :], v[..., :3, :])
@@ -30,10 +33,20 @@ True
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("agentshare.engine")
+
+KERNELS: dict[tuple[str, str, bool, bool], str] = {}
+"""Which kernel serves each kind of partial on a device: ``(device type, dtype, causal, masked)``
+-> ``"efficient"`` or ``"reference"`` (filled on first use; the device check reports it)."""
+
+_AGREE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+"""How far a device kernel's output may lie from the fp32 reference on its first call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +84,55 @@ def partial_attention(
             q, k, v, 0.0, causal, attn_mask=mask, scale=scale
         )
         return Partial(out, lse)
+    if q.device.type == "cuda":
+        return _checked_device_partial(q, k, v, causal=causal, mask=mask, scale=scale)
     return reference_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+
+
+def _checked_device_partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, mask: torch.Tensor | None,
+    scale: float | None,
+) -> Partial:
+    kind = (q.device.type, str(q.dtype).removeprefix("torch."), causal, mask is not None)
+    chosen = KERNELS.get(kind)
+    if chosen == "efficient":
+        return efficient_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+    ref = reference_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+    if chosen is None:  # first call of this kind: does the kernel agree with the reference?
+        try:
+            got = efficient_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+            out_err = float((got.out.float() - ref.out.float()).abs().max())
+            lse_err = float((got.lse - ref.lse).abs().max())
+            ok = out_err <= _AGREE.get(q.dtype, 1e-2) and lse_err <= 1e-3
+            why = f"max |out - reference| {out_err:.2e}, |lse - reference| {lse_err:.2e}"
+        except RuntimeError as exc:  # not supported for this shape, dtype or device
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        KERNELS[kind] = "efficient" if ok else "reference"
+        if not ok:
+            log.warning("a device attention kernel disagrees; the reference serves this kind",
+                        extra={"event": "attention_kernel", "kind": str(kind), "why": why})
+    return ref
+
+
+def efficient_partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+    mask: torch.Tensor | None = None, scale: float | None = None,
+) -> Partial:
+    """:func:`partial_attention` through torch's memory-efficient kernel (CUDA devices).
+
+    The kernel reads an additive mask whose rows start 16-element aligned: the mask is laid out
+    in a padded buffer and passed as a view, as ``F.scaled_dot_product_attention`` does. Its LSE
+    may be padded past the queries (to a multiple of 32): only the queries' part is kept.
+    """
+    bias = None
+    if mask is not None:
+        b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        padded = q.new_zeros(b, h, lq, lk + (-lk % 16))
+        padded[..., :lk] = mask.to(q.dtype)
+        bias = padded[..., :lk]
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, causal, scale=scale)
+    return Partial(out, lse[..., : q.shape[2]].float())
 
 
 def reference_partial(

@@ -115,6 +115,7 @@ class StepPlan:
     chunks: tuple[ChunkPart, ...]
     logit_rows: torch.Tensor | None  # rows whose logits are returned; None: all rows
     row_spans: tuple[tuple[int, int], ...] = field(default=())  # request i -> rows [lo, hi)
+    max_position: int = -1  # the step's last position (known on the host, wherever the step runs)
 
     @property
     def num_tokens(self) -> int:
@@ -179,7 +180,8 @@ def plan_step(
     parts = []
     for c, (lo, hi) in zip(chunks, spans, strict=True):
         if c.num_new > 1:
-            parts.append(ChunkPart(lo, hi, _history(c.slots[: -c.num_new])))
+            history = _history(c.slots[: -c.num_new])
+            parts.append(ChunkPart(lo, hi, history.to(device) if isinstance(history, torch.Tensor) else history))
 
     logit_rows = None if all_logits else as_rows([hi - 1 for _, hi in spans])
     return StepPlan(
@@ -191,6 +193,7 @@ def plan_step(
         chunks=tuple(parts),
         logit_rows=logit_rows,
         row_spans=tuple(spans),
+        max_position=max(c.start + c.num_new - 1 for c in chunks),
     )
 
 

@@ -18,6 +18,7 @@ import torch
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineConfig, EngineCore
 from server.engine.detokenize import Decoder
+from server.engine.device import device_name, resolve_device
 from server.engine.forward import LlamaForward
 from server.engine.modules import base_module, load_module
 from server.engine.numerics import choose_threads, dtype_name, resolve_dtype, set_threads
@@ -36,22 +37,27 @@ def load_engine(
     threads: int | None = None,
     config: EngineConfig = EngineConfig(),
     base_name: str = "base",
+    device: str | torch.device = "cpu",
 ) -> EngineCore:
-    """An :class:`EngineCore` serving the base model (as ``base_name``) and ``modules``.
+    """An :class:`EngineCore` serving the base model (as ``base_name``) and ``modules`` on
+    ``device`` (``server/engine/device.py``: ``auto``, ``cpu``, ``cuda:N``); ``dtype`` ``auto``
+    is bf16 where the device computes it natively.
 
     The family digest covers the base's weights, tokenizer, config and the KV dtype, so modules
-    trained for this base in this dtype share its prefill; others get private prefills.
+    trained for this base in this dtype share its prefill; others get private prefills (on any
+    device: the family does not name one).
     """
     set_threads(threads)
-    dt = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev.type)
     loaded = load_model(model_dir)
-    forward = LlamaForward.from_hf(loaded.model, dtype=dt)
+    forward = LlamaForward.from_hf(loaded.model, dtype=dt, device=dev)
     family = family_digest(model_dir, kv_dtype=dtype_name(dt))
     table = {base_name: base_module(family, base_name)}
     for name, path in (modules or {}).items():
         if name in table:
             raise ValueError(f"module name {name!r} is used twice")
-        table[name] = load_module(path, name=name, family=family, shape=forward.weights.shape, dtype=dt)
+        table[name] = load_module(path, name=name, family=family, shape=forward.weights.shape, dtype=dt, device=dev)
     tok = cast(Decoder, loaded.tokenizer)  # a transformers tokenizer
     eos = {t for t in (getattr(tok, "eos_token_id", None),) if t is not None}
     gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
@@ -67,22 +73,27 @@ def start_engine(
     threads: int | None = None,
     config: EngineConfig = EngineConfig(),
     base_name: str = "base",
+    device: str | torch.device = "auto",
 ) -> AsyncEngine:
     """The engine of a serving process, on its own thread: the thread budget chosen
     (:func:`~server.engine.numerics.choose_threads`), glibc told to keep freed memory
     (:func:`~server.process.keep_freed_memory`, before anything large is allocated), the core
     loaded on the engine thread (:meth:`AsyncEngine.load`), and the choices logged (event
-    ``engine``). ``model_dir`` None: the default model."""
+    ``engine``: threads, device, dtype, KV pool). ``model_dir`` None: the default model."""
     choice = choose_threads(threads)
+    dev = resolve_device(device)  # a bad --device fails here, in the caller, before the thread starts
     kept = keep_freed_memory()
 
     def build() -> EngineCore:
         path = model_dir or default_model_dir()
         log.info("loading", extra={"event": "load", "model_dir": str(path), "modules": ",".join(modules or {})})
         core = load_engine(path, modules=modules, dtype=dtype, threads=choice.threads, config=config,
-                           base_name=base_name)
+                           base_name=base_name, device=dev)
         log.info("engine", extra={"event": "engine", "threads": torch.get_num_threads(), "threads_from": choice.source,
-                                  "physical_cores": choice.physical_cores, "dtype": str(core.forward.weights.dtype),
+                                  "physical_cores": choice.physical_cores, "device": str(dev),
+                                  "device_name": device_name(dev), "device_from": "auto" if str(device) == "auto" else "option",
+                                  "kv_pool_bytes": core.kv.total_bytes, "kv_blocks": core.kv.num_blocks,
+                                  "dtype": str(core.forward.weights.dtype),
                                   "packed_linears": core.forward.weights.layers[0].qkv.packed is not None,
                                   "malloc_keeps_freed": kept})
         return core

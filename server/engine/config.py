@@ -15,7 +15,12 @@ class EngineConfig:
     (the baseline arm of the benchmarks)."""
 
     block_size: int = 16
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = 1 << 30
+    """The KV pool's size; None: the device's share (1 GiB on the CPU; on a CUDA device
+    ``memory_utilization`` of its memory less what is in use, see ``server/engine/device.py``)."""
+    memory_utilization: float = 0.9
+    """With ``kv_cache_bytes`` None on a CUDA device: the fraction of the device's memory this
+    engine may hold, weights and KV together (vLLM's ``gpu_memory_utilization``)."""
     max_step_tokens: int = 512
     """Tokens one step may compute while requests are decoding: a prefill is chunked so that it
     cannot stall their next tokens for long."""
@@ -35,6 +40,10 @@ class EngineConfig:
             raise ValueError("block_size, max_step_tokens and max_running must be positive")
         if self.max_prefill_step_tokens <= 0:
             raise ValueError("max_prefill_step_tokens must be positive")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive (or None: the device's share), got {self.kv_cache_bytes}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must lie in (0, 1], got {self.memory_utilization}")
         if not self.step_timeout > 0:
             raise ValueError(f"step_timeout must be a positive number of seconds, got {self.step_timeout}")
 

@@ -44,6 +44,7 @@ from server import positions
 from server.engine.config import EngineConfig, EngineStats
 from server.engine.constraints import GrammarBackend, apply_masks
 from server.engine.detokenize import Decoder, TextStream
+from server.engine.device import kv_pool_bytes, step_workspace_bytes
 from server.engine.errors import InvalidRequest, Overloaded, PromptTooLong, UnknownModule
 from server.engine.forward import LlamaForward
 from server.engine.modules import DecodeModule
@@ -81,10 +82,11 @@ class EngineCore:
         self._base_name = next((n for n, m in self.modules.items() if m.is_base), "")
         shape = forward.weights.shape
         self.split_layers = {n: positions.split_layer(m, shape.num_layers) for n, m in self.modules.items()}
+        self.device = forward.weights.device
         self.kv = KVStorage.from_budget(
-            forward.kv_spec(), budget_bytes=config.kv_cache_bytes, block_size=config.block_size,
+            forward.kv_spec(), budget_bytes=self._kv_budget(forward, config), block_size=config.block_size,
             hidden_depths=tuple(sorted({s for s in self.split_layers.values() if 0 < s < shape.num_layers})),
-            hidden_width=shape.hidden_size,
+            hidden_width=shape.hidden_size, device=self.device,
         )
         self.pool = BlockPool(self.kv.num_blocks, config.block_size, bytes_per_block=self.kv.bytes_per_block)
         self.max_context = forward.weights.shape.max_context
@@ -95,6 +97,19 @@ class EngineCore:
         self.output = OutputProcessor(eos_token_ids, logits_hook)
         self._grammars: GrammarBackend | None = None
         self._masker: ThreadPoolExecutor | None = None  # fills constrained rows' masks during the forward
+
+    @staticmethod
+    def _kv_budget(forward: LlamaForward, config: EngineConfig) -> int:
+        """The pool's bytes on the weights' device (``server/engine/device.py``)."""
+        w = forward.weights
+        return kv_pool_bytes(
+            w.device, requested=config.kv_cache_bytes, utilization=config.memory_utilization,
+            workspace=step_workspace_bytes(
+                tokens=max(config.max_prefill_step_tokens, config.max_step_tokens),
+                rows=config.max_running + 1, hidden=w.shape.hidden_size,
+                intermediate=w.layers[0].gate_up.weight.shape[0] // 2,
+                qkv=w.shape.q_size + 2 * w.shape.kv_size, vocab=w.shape.vocab_size,
+                itemsize=w.embed.element_size()))
 
     @property
     def forward(self) -> LlamaForward:

@@ -45,11 +45,12 @@ class LlamaForward:
 
     @classmethod
     def from_hf(
-        cls, model: torch.nn.Module, *, dtype: torch.dtype | None = None, pack: bool | None = None
+        cls, model: torch.nn.Module, *, dtype: torch.dtype | None = None, pack: bool | None = None,
+        device: torch.device | str | None = None,
     ) -> LlamaForward:
-        """From a transformers ``*ForCausalLM`` (config and weights; ``pack``: see
+        """From a transformers ``*ForCausalLM`` (config and weights on ``device``; ``pack``: see
         :meth:`ModelWeights.from_hf`)."""
-        weights = ModelWeights.from_hf(model, dtype=dtype, pack=pack)
+        weights = ModelWeights.from_hf(model, dtype=dtype, pack=pack, device=device)
         return cls(weights, Rope.from_config(model.config, weights.shape.head_dim))
 
     def kv_spec(self) -> KVSpec:
@@ -73,8 +74,9 @@ class LlamaForward:
         w, s = self.weights, self.weights.shape
         if kv.spec != self.kv_spec():
             raise ValueError(f"KV storage {kv.spec} does not fit this model ({self.kv_spec()})")
-        if int(plan.positions.max()) >= s.max_context:
-            raise ValueError(f"position {int(plan.positions.max())} beyond the context of {s.max_context}")
+        last = plan.max_position if plan.max_position >= 0 else int(plan.positions.max())
+        if last >= s.max_context:
+            raise ValueError(f"position {last} beyond the context of {s.max_context}")
         if (first_layer > 0) != (hidden is not None) or not 0 <= first_layer < s.num_layers:
             raise ValueError(f"start at layer {first_layer} of {s.num_layers} needs that layer's input, and only then")
         project = projection or self.projection

@@ -58,9 +58,11 @@ def base_module(family: str, name: str = "base") -> DecodeModule:
 
 
 def load_module(
-    path: Path | str, *, name: str, family: str, shape: ModelShape, dtype: torch.dtype
+    path: Path | str, *, name: str, family: str, shape: ModelShape, dtype: torch.dtype,
+    device: torch.device = torch.device("cpu"),
 ) -> DecodeModule:
-    """Load the module in ``path`` for serving beside a base of ``family`` with ``shape``."""
+    """Load the module in ``path`` onto ``device``, for serving beside a base of ``family`` with
+    ``shape``."""
     found = identify(path, name=name, family=family)
     if found.kind == "base":
         return DecodeModule(name, "base", family, True, found.placement, reason="the base")
@@ -68,6 +70,6 @@ def load_module(
     if found.recompute_layers > shape.num_layers:
         raise ModuleLoadError(f"module {name!r}: recompute_layers {found.recompute_layers} exceeds the "
                               f"base's {shape.num_layers} layers")
-    weights = kind.load(Path(path), name=name, shape=shape, dtype=dtype)
+    weights = kind.load(Path(path), name=name, shape=shape, dtype=dtype, device=device)
     return DecodeModule(name, kind.name, found.digest, found.shares_prefill, found.placement,
                         weights=weights, reason=found.reason, recompute_layers=found.recompute_layers)

@@ -146,14 +146,17 @@ class RowDeltaProjection:
     __slots__ = ("_bank", "_masks", "_modules", "_row_slot")
 
     def __init__(
-        self, row_modules: torch.Tensor, deltas: Mapping[tuple[int, int, str], list[LowRank]] | LoraBank
+        self, row_modules: torch.Tensor, deltas: Mapping[tuple[int, int, str], list[LowRank]] | LoraBank,
+        device: torch.device | None = None,
     ) -> None:
+        """``row_modules`` on the host (the runner builds them there); the row-to-slot map they
+        make goes to ``device`` (None: where ``row_modules`` are), so a step reads nothing back."""
         self._bank = deltas if isinstance(deltas, LoraBank) else LoraBank(deltas)
         self._modules: tuple[int, ...] = tuple(torch.unique(row_modules[row_modules >= 0]).tolist())
         slot = torch.full_like(row_modules, -1)
         for s, m in enumerate(self._modules):
             slot[row_modules == m] = s
-        self._row_slot = slot
+        self._row_slot = slot if device is None else slot.to(device)
         self._masks: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def __call__(self, x: torch.Tensor, linear: Linear, *, layer: int, name: str) -> torch.Tensor:

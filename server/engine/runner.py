@@ -50,6 +50,7 @@ class ModelRunner:
         block_size: int, stats: EngineStats,
     ) -> None:
         self.forward, self.kv, self.block_size, self.stats = forward, kv, block_size, stats
+        self.device = forward.weights.device  # the step's index tensors go there; logits come back to the host
         self.module_index: dict[str, int] = {}  # LoRA module -> its row id in a step's deltas
         self._lora = LoraBank()  # every LoRA module's deltas, stacked per set of modules in a step
         self._own: dict[str, LlamaForward] = {}
@@ -84,17 +85,23 @@ class ModelRunner:
         out: list[torch.Tensor | None] = [None] * len(work)
         for key, idx in calls.items():
             items = [work[i] for i in idx]
-            plan = plan_step([self._chunk(*it) for it in items], block_size=self.block_size)
+            plan = plan_step([self._chunk(*it) for it in items], block_size=self.block_size, device=self.device)
             if isinstance(key, int):
                 logits = self._fill(plan, items, key)
             elif key is None:
                 logits = self.forward(plan, self.kv, projection=self._projection(items))
             else:
                 logits = self._own[key](plan, self.kv)
+            logits = self.to_host(logits)
             for i, row in zip(idx, logits, strict=True):
                 out[i] = row
             self._count_rows(items, call="fill" if isinstance(key, int) else "base" if key is None else "own")
         return out  # type: ignore[return-value]  # every index was filled by its call
+
+    @staticmethod
+    def to_host(logits: torch.Tensor) -> torch.Tensor:
+        """One copy per call from the device: sampling, stop rules and grammars run on the host."""
+        return logits.cpu()
 
     def _fill(self, plan: Any, items: list[WorkItem], split: int) -> torch.Tensor:
         """Layer-split rows over the family's blocks: copy their K/V below ``split``, then run
@@ -105,12 +112,12 @@ class ModelRunner:
             src.append(family[start - seq.fill_start : start + n - seq.fill_start])
             assert seq.slot_table is not None
             dst.append(seq.slot_table[start : start + n])
-        s, d = torch.cat(src), torch.cat(dst)
+        s, d = torch.cat(src).to(self.device), torch.cat(dst).to(self.device)
         for layer in range(split):
             self.kv.k[layer].index_copy_(1, d, self.kv.k[layer].index_select(1, s))
             self.kv.v[layer].index_copy_(1, d, self.kv.v[layer].index_select(1, s))
         rows = torch.cat([torch.full((n,), seq.module_index) for seq, _, n in items])
-        return self.forward(plan, self.kv, projection=RowDeltaProjection(rows, self._lora),
+        return self.forward(plan, self.kv, projection=RowDeltaProjection(rows, self._lora, self.device),
                             first_layer=split, hidden=self.kv.hidden[split].index_select(0, s))
 
     def _chunk(self, seq: Sequence, start: int, n: int) -> Chunk:
@@ -139,7 +146,7 @@ class ModelRunner:
                 if seq.split_layer is not None and depth >= seq.split_layer:
                     own = torch.ones_like(own)  # its prefix rows too, from its split on
                 rows.append(torch.where(own, seq.module_index, -1))
-            parts.append((depth, RowDeltaProjection(torch.cat(rows), self._lora)))
+            parts.append((depth, RowDeltaProjection(torch.cat(rows), self._lora, self.device)))
         return parts[0][1] if len(parts) == 1 else LayerSplitProjection(tuple(parts))
 
     def _count_rows(self, items: list[WorkItem], *, call: str) -> None:

@@ -166,6 +166,10 @@ class ModelWeights:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
     def packed(self) -> ModelWeights:
         """These weights with every linear packed for oneDNN (:func:`pack_linear`); the
         embedding and the norms stay plain tensors."""
@@ -178,26 +182,32 @@ class ModelWeights:
 
     @classmethod
     def from_hf(
-        cls, model: torch.nn.Module, *, dtype: torch.dtype | None = None, pack: bool | None = None
+        cls, model: torch.nn.Module, *, dtype: torch.dtype | None = None, pack: bool | None = None,
+        device: torch.device | str | None = None,
     ) -> ModelWeights:
-        """From a transformers ``*ForCausalLM`` (its tensors are shared when no cast is needed).
+        """From a transformers ``*ForCausalLM`` (its tensors are shared when no cast or move is
+        needed). ``device``: where the weights go (None: where the model is).
 
         ``pack``: reorder the linears for oneDNN; ``None`` packs where :func:`can_pack` says it
         pays (bf16 on a CPU with native bf16).
         """
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        weights = cls.from_state_dict(model.config, state, dtype=dtype)
+        weights = cls.from_state_dict(model.config, state, dtype=dtype, device=device)
         if pack is None:
             pack = can_pack(weights.dtype, weights.embed.device)
         return weights.packed() if pack else weights
 
     @classmethod
     def from_state_dict(
-        cls, config: object, state: Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None
+        cls, config: object, state: Mapping[str, torch.Tensor], *, dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> ModelWeights:
-        """From a config and a transformers-named state dict (``model.layers.0.self_attn...``)."""
+        """From a config and a transformers-named state dict (``model.layers.0.self_attn...``),
+        cast to ``dtype`` and moved to ``device`` tensor by tensor (None: as they are)."""
         shape = ModelShape.from_config(config)
-        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype)
 
         def get(name: str) -> torch.Tensor:
             if name not in state:

@@ -68,6 +68,7 @@ class KVStorage:
             raise ValueError(f"hidden depths {hidden_depths} must lie in 1..{spec.num_layers - 1}, "
                              f"with a positive width (got {hidden_width})")
         self.spec = spec
+        self.device = torch.device(device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.bytes_per_block = self.block_bytes(spec, block_size, hidden_depths, hidden_width)

@@ -28,11 +28,18 @@ from server.training.trainer import (
 )
 
 _DIRECT = ("rank", "alpha", "epochs", "batch_size", "lr", "max_length", "seed", "kv_dtype",
-           "family", "checkpoint_every", "threads", "layers", "recompute")
+           "family", "checkpoint_every", "threads", "layers", "recompute", "device")
 
 
 def config_from_options(opts: Mapping[str, Any]) -> FinetuneConfig:
     """Map the CLI's option names onto a :class:`FinetuneConfig` (absent options: defaults)."""
+    if opts.get("device") is not None:  # before anything loads
+        from server.engine.device import resolve_device
+
+        try:
+            resolve_device(opts["device"])
+        except ValueError as exc:
+            raise BadOption(str(exc)) from None
     base = opts.get("base")
     if base is None:
         from server.models.loader import default_model_dir

@@ -190,6 +190,11 @@ class Batch:
     labels: torch.Tensor  # (B, S): the token each suffix column predicts, or -100
     prefix_len: int  # P
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch on ``device``."""
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
+                     self.labels.to(device), self.prefix_len)
+
 
 def collate(items: Sequence[Encoded], pad_id: int, *, split: bool = True) -> Batch:
     """Batch encoded examples; ``split=False`` puts everything in the suffix (own prefill).

@@ -41,7 +41,7 @@ class SplitModel:
 
     ``base`` is a separate frozen model (full modules), or None: then the base is the module
     with its peft adapters disabled (LoRA), or the module itself (a plain model = the base).
-    ``autocast``: run matmuls in bfloat16 (CPU autocast) for speed; fp32 when False.
+    ``autocast``: run matmuls in bfloat16 (autocast on the module's device) for speed; fp32 when False.
     """
 
     def __init__(self, module: nn.Module, base: nn.Module | None = None, *, autocast: bool = False,
@@ -54,7 +54,8 @@ class SplitModel:
             base.requires_grad_(False).eval()
 
     def _amp(self) -> Any:
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else nullcontext()
+        device = next(self.module.parameters()).device.type
+        return torch.autocast(device, dtype=torch.bfloat16) if self.autocast else nullcontext()
 
     @contextmanager
     def _base_model(self) -> Iterator[CausalLM]:

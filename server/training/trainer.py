@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from server.engine.device import resolve_device
 from server.kv.family import family_digest
 from server.modules.manifest import LoraSpec, Manifest, ModuleKind
 from server.prompt import Placement
@@ -81,7 +82,8 @@ class FinetuneConfig:
     seed: int = 0
     kv_dtype: str = "bfloat16"  # the dtype the server will keep the family's KV in
     family: str | None = None  # refuse a base whose family differs
-    autocast: bool = False  # bf16 matmuls on CPU (faster; fp32 master weights)
+    autocast: bool = False  # bf16 matmuls (faster; fp32 master weights)
+    device: str = "auto"  # where it trains: auto, cpu, cuda, cuda:N (server/engine/device.py)
     recompute: int = 0  # the module recomputes the prefix KV of its top k layers (the layer split)
     layers: int = 0  # tune only the top n layers (0: all)
     checkpoint_every: int = 50  # steps; 0 = never
@@ -130,7 +132,9 @@ def finetune(cfg: FinetuneConfig) -> FinetuneResult:
     items = encode(examples, tokenizer, placement=cfg.placement, max_length=cfg.max_length)
 
     _seed(cfg.seed)
+    device = resolve_device(cfg.device)
     model: Any = AutoModelForCausalLM.from_pretrained(cfg.base, dtype=torch.float32)  # or its peft wrapper
+    model = model.to(device)
     tuned = _tuned_layers(cfg, model.config.num_hidden_layers)
     base = None
     if cfg.kind is ModuleKind.LORA:
@@ -142,6 +146,7 @@ def finetune(cfg: FinetuneConfig) -> FinetuneResult:
     elif cfg.kind is ModuleKind.FULL:
         if cfg.cache_conditioned:
             base = AutoModelForCausalLM.from_pretrained(cfg.base, dtype=torch.float32)
+            base = base.to(device)  # type: ignore[arg-type]  # transformers' to() takes a device
         if tuned:  # only the top layers learn: everything below them (and the embeddings) stays the base's
             model.requires_grad_(False)
             for i in tuned:
@@ -161,7 +166,7 @@ def finetune(cfg: FinetuneConfig) -> FinetuneResult:
     step, losses = _resume(out / CHECKPOINT_DIR, cfg, model, opt, sched)
     bar = tqdm(total=total, initial=step, desc=f"finetune {cfg.name}", disable=not cfg.progress)
     while step < total:
-        batch = collate([items[i] for i in order[step]], pad, split=cfg.cache_conditioned)
+        batch = collate([items[i] for i in order[step]], pad, split=cfg.cache_conditioned).to(device)
         loss = split.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -239,7 +244,7 @@ def _schedule(total: int, warmup: float) -> Any:
 
 
 def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: p.detach().contiguous() for k, p in model.named_parameters() if p.requires_grad}
+    return {k: p.detach().cpu().contiguous() for k, p in model.named_parameters() if p.requires_grad}
 
 
 def _save_checkpoint(d: Path, cfg: FinetuneConfig, model: Any, opt: Any, sched: Any,
@@ -258,7 +263,7 @@ def _save_checkpoint(d: Path, cfg: FinetuneConfig, model: Any, opt: Any, sched: 
 
 def _resume_key(cfg: FinetuneConfig) -> dict[str, Any]:
     rec = cfg.to_record()
-    for k in ("output", "progress", "checkpoint_every", "threads"):
+    for k in ("output", "progress", "checkpoint_every", "threads", "device"):  # a run may resume elsewhere
         rec.pop(k)
     return rec
 

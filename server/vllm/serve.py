@@ -68,6 +68,7 @@ class _Planned:
 
 
 def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Planned:
+    from server.engine.device import DEFAULT_CPU_KV_BYTES
     from server.engine.numerics import dtype_name, resolve_dtype
     from server.kv.family import family_digest
     from server.models.loader import default_model_dir
@@ -76,7 +77,8 @@ def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Pl
     model_dir = Path(config.model_dir) if config.model_dir else default_model_dir()
     dtype = dtype_name(resolve_dtype(config.dtype))
     family = family_digest(model_dir, kv_dtype=dtype)
-    max_context = context_limit(model_dir, dtype, config.kv_cache_bytes)
+    kv_bytes = config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES  # each instance's --kv-cache-memory-bytes
+    max_context = context_limit(model_dir, dtype, kv_bytes)
     plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
                           lora_instances=options.lora_instances, enforce_eager=options.enforce_eager,
                           with_base=with_base)
@@ -84,7 +86,7 @@ def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Pl
         log.info("plan", extra={"event": "vllm_plan", "instance": spec.name, "agents": ",".join(spec.modules),
                                 "compile": spec.compile})
     instances = VllmInstances(plan, dtype=dtype, max_model_len=max_context, capacity_bytes=options.store_bytes,
-                              family=family, kv_cache_bytes=config.kv_cache_bytes)
+                              family=family, kv_cache_bytes=kv_bytes)
     return _Planned(model_dir, family, max_context, instances)
 
 

@@ -51,8 +51,10 @@ class Kind(Protocol):
     own_forward: bool
     """Its rows run in a forward of their own weights (False: inside the base's call)."""
 
-    def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype) -> Any:
-        """Read the module's weights from ``path`` (raise ``ModuleLoadError`` naming the file)."""
+    def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype,
+             device: torch.device = torch.device("cpu")) -> Any:
+        """Read the module's weights from ``path`` onto ``device`` (raise ``ModuleLoadError``
+        naming the file)."""
         ...
 
     def attach(self, runner: Runner, module: Loaded) -> None:

@@ -15,7 +15,8 @@ class Base:
     name = "base"
     own_forward = False
 
-    def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype) -> Any:
+    def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype,
+             device: torch.device = torch.device("cpu")) -> Any:
         return None  # the engine's own weights
 
     def attach(self, runner: Runner, module: Loaded) -> None:

@@ -16,14 +16,15 @@ class Full:
     name = "full"
     own_forward = True
 
-    def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype) -> ModelWeights:
+    def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype,
+             device: torch.device = torch.device("cpu")) -> ModelWeights:
         from transformers import AutoModelForCausalLM
 
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except (OSError, ValueError) as exc:
             raise ModuleLoadError(f"module {name!r}: cannot load the full model in {path}: {exc}") from exc
-        weights = ModelWeights.from_hf(model, dtype=dtype)
+        weights = ModelWeights.from_hf(model, dtype=dtype, device=device)
         s = weights.shape
         if (s.num_layers, s.num_kv_heads, s.head_dim) != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ModuleLoadError(

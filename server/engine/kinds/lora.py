@@ -33,7 +33,8 @@ class Lora:
     name = "lora"
     own_forward = False
 
-    def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype) -> Deltas:
+    def load(self, path: Path, *, name: str, shape: ModelShape, dtype: torch.dtype,
+             device: torch.device = torch.device("cpu")) -> Deltas:
         cfg_path, weights_path = path / "adapter_config.json", path / "adapter_model.safetensors"
         if not cfg_path.exists() or not weights_path.exists():
             raise ModuleLoadError(f"module {name!r}: a lora module needs adapter_config.json and adapter_model.safetensors in {path}")
@@ -59,7 +60,7 @@ class Lora:
             if set(pair) != {"lora_A", "lora_B"} or not (0 <= layer < shape.num_layers):
                 raise ModuleLoadError(f"module {name!r}: incomplete or out-of-range adapter for layer {layer} {target}")
             fused, part = _TARGETS[target]
-            a, b = pair["lora_A"].to(dtype), pair["lora_B"].to(dtype)
+            a, b = pair["lora_A"].to(device=device, dtype=dtype), pair["lora_B"].to(device=device, dtype=dtype)
             # where the target's output sits inside the fused projection's output
             col = {"k": shape.q_size, "v": shape.q_size + shape.kv_size, "up": b.shape[0]}.get(part or "", 0)
             deltas.setdefault((layer, fused), []).append(LowRank(a=a, b=b, scale=scale, col=col))

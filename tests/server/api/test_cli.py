@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,4 +49,30 @@ def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_pa
     assert (engine["threads"], engine["threads_from"]) == (1, "option")
     assert engine["physical_cores"] >= 1 and engine["dtype"] == "torch.float32" and engine["packed_linears"] is False
     assert engine["malloc_keeps_freed"] is sys.platform.startswith("linux")
+    assert (engine["device"], engine["device_from"]) == ("cpu", "auto")  # no CUDA device here
+    assert 0 < engine["kv_pool_bytes"] <= 8 << 20 and engine["kv_blocks"] > 0  # --kv-cache 8MiB
     assert not any("hello there" in line for line in err.splitlines())
+
+
+def _usage_error(*args: str) -> str:
+    """Run the CLI expecting a usage error before anything loads; its stderr."""
+    proc = subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", proc.stderr).split())  # typer's box, unwrapped
+
+
+def test_a_device_this_process_cannot_use_is_a_usage_error(tmp_path: Path) -> None:
+    for command in (["serve"], ["worker", "--role", "decode"]):
+        err = _usage_error(*command, "--device", "cuda")
+        assert "torch sees no CUDA device" in err and "--device" in err, err
+    assert "is not one of auto, cpu, cuda, cuda:N" in _usage_error("serve", "--device", "gpu0")
+    err = _usage_error("finetune", str(tmp_path / "d.jsonl"), "-o", str(tmp_path / "m"), "--name", "m",
+                       "--device", "cuda:1")
+    assert err.startswith("agentshare finetune: device 'cuda:1': torch sees no CUDA device"), err
+
+
+def test_devices_per_role_need_the_disaggregated_server() -> None:
+    assert "need --disaggregated" in _usage_error("serve", "--device", "cpu", "--decode-devices", "1")
+    err = _usage_error("serve", "--device", "cpu", "--disaggregated", "--decode-devices", "1,gpu")
+    assert "--decode-devices takes CUDA device indices" in err, err
