@@ -122,8 +122,11 @@ def efficient_partial(
 
     The kernel reads an additive mask whose rows start 16-element aligned: the mask is laid out
     in a padded buffer and passed as a view, as ``F.scaled_dot_product_attention`` does. Its LSE
-    may be padded past the queries (to a multiple of 32): only the queries' part is kept.
+    may be padded past the queries (to a multiple of 32): only the queries' part is kept. Keys
+    broadcast over query heads (stride 0) are laid out for it.
     """
+    if k.stride(1) == 0 and k.shape[1] > 1:
+        k, v = k.contiguous(), v.contiguous()
     bias = None
     if mask is not None:
         b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
