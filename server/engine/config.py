@@ -30,6 +30,9 @@ class EngineConfig:
     2,048 against 0.84–0.92 s in chunks of 512). Never below ``max_step_tokens``."""
     max_running: int = 64
     max_waiting: int = 1024
+    decode_graphs: str = "auto"
+    """Decode steps replayed from CUDA graphs (``server/engine/graphs.py``): ``auto`` (on a CUDA
+    device, off elsewhere), ``off``, or ``padded`` (the padded steps without capture: tests)."""
     share_prefill: bool = True
     step_timeout: float = 60.0
     """Seconds one step may run before the watchdog of :class:`AsyncEngine` fails its requests
@@ -40,6 +43,8 @@ class EngineConfig:
             raise ValueError("block_size, max_step_tokens and max_running must be positive")
         if self.max_prefill_step_tokens <= 0:
             raise ValueError("max_prefill_step_tokens must be positive")
+        if self.decode_graphs not in ("auto", "off", "padded"):
+            raise ValueError(f"decode_graphs is auto, off or padded, got {self.decode_graphs!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive (or None: the device's share), got {self.kv_cache_bytes}")
         if not 0 < self.memory_utilization <= 1:

@@ -47,6 +47,7 @@ from server.engine.detokenize import Decoder, TextStream
 from server.engine.device import kv_pool_bytes, step_workspace_bytes
 from server.engine.errors import InvalidRequest, Overloaded, PromptTooLong, UnknownModule
 from server.engine.forward import LlamaForward
+from server.engine.graphs import DecodeGraphs
 from server.engine.modules import DecodeModule
 from server.engine.output import OutputProcessor
 from server.engine.runner import ModelRunner
@@ -94,6 +95,13 @@ class EngineCore:
         self.contexts: dict[str, Pin] = {}  # pinned shared contexts by id
         self.scheduler = Scheduler(self.pool, self.kv, config, self.stats)
         self.runner = ModelRunner(forward, self.kv, self.modules, block_size=config.block_size, stats=self.stats)
+        mode = config.decode_graphs
+        if mode == "auto":
+            mode = "cuda" if self.device.type == "cuda" else "off"
+        if mode != "off":  # padding rows of a graph write one block that no request owns
+            scratch = self.pool.allocate(1)[0] * config.block_size
+            self.runner.graphs = DecodeGraphs(forward, self.kv, self.runner.lora, scratch_slot=scratch, mode=mode,
+                                              tolerance=1e-4 if forward.weights.dtype == torch.float32 else 2e-2)
         self.output = OutputProcessor(eos_token_ids, logits_hook)
         self._grammars: GrammarBackend | None = None
         self._masker: ThreadPoolExecutor | None = None  # fills constrained rows' masks during the forward

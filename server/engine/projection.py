@@ -153,11 +153,27 @@ class RowDeltaProjection:
         make goes to ``device`` (None: where ``row_modules`` are), so a step reads nothing back."""
         self._bank = deltas if isinstance(deltas, LoraBank) else LoraBank(deltas)
         self._modules: tuple[int, ...] = tuple(torch.unique(row_modules[row_modules >= 0]).tolist())
+        slot = self.slots_of(row_modules)
+        self._row_slot = slot if device is None else slot.to(device)
+        self._masks: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+    @property
+    def modules(self) -> tuple[int, ...]:
+        """The step's modules, in slot order."""
+        return self._modules
+
+    def slots_of(self, row_modules: torch.Tensor) -> torch.Tensor:
+        """Each row's slot among :attr:`modules` (-1: base weights), on the host."""
         slot = torch.full_like(row_modules, -1)
         for s, m in enumerate(self._modules):
             slot[row_modules == m] = s
-        self._row_slot = slot if device is None else slot.to(device)
-        self._masks: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        return slot
+
+    def set_rows(self, row_modules: torch.Tensor) -> None:
+        """Point the rows at new modules of the same set, in place (a captured graph reads
+        the row map where it was)."""
+        self._row_slot.copy_(self.slots_of(row_modules), non_blocking=True)
+        self._masks.clear()  # an eager forward recomputes them; a graph replays their ops anyway
 
     def __call__(self, x: torch.Tensor, linear: Linear, *, layer: int, name: str) -> torch.Tensor:
         y = linear(x)

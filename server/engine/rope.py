@@ -24,7 +24,7 @@ Llama (dimension ``i`` pairs with ``i + head_dim/2``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +38,9 @@ class UnsupportedRopeError(ValueError):
 class Rope:
     inv_freq: torch.Tensor  # [head_dim // 2], fp32
     attention_scaling: float = 1.0
+    _on_device: dict[torch.device, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    """``inv_freq`` copied once to each device it is used on (a step copies nothing from the
+    host: a CUDA graph could not capture that copy)."""
 
     @classmethod
     def from_config(cls, config: object, head_dim: int) -> Rope:
@@ -73,7 +76,10 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for ``positions`` ([T]) as [T, head_dim], computed in fp32, cast to ``dtype``."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :].to(positions.device)
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)

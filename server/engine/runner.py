@@ -28,6 +28,7 @@ import torch
 from server.engine.batch import Chunk, SharedPrefix, plan_step
 from server.engine.config import EngineStats
 from server.engine.forward import LlamaForward
+from server.engine.graphs import DecodeGraphs
 from server.engine.kinds import kind_of
 from server.engine.modules import DecodeModule
 from server.engine.projection import (
@@ -52,7 +53,8 @@ class ModelRunner:
         self.forward, self.kv, self.block_size, self.stats = forward, kv, block_size, stats
         self.device = forward.weights.device  # the step's index tensors go there; logits come back to the host
         self.module_index: dict[str, int] = {}  # LoRA module -> its row id in a step's deltas
-        self._lora = LoraBank()  # every LoRA module's deltas, stacked per set of modules in a step
+        self.lora = LoraBank()  # every LoRA module's deltas, stacked per set of modules in a step
+        self.graphs: DecodeGraphs | None = None  # the base call's decode steps from CUDA graphs
         self._own: dict[str, LlamaForward] = {}
         for m in modules.values():
             kind_of(m.kind).attach(self, m)
@@ -63,7 +65,7 @@ class ModelRunner:
         """Register a module's low-rank deltas, applied per row inside the base's call."""
         idx = self.module_index.setdefault(module, len(self.module_index))
         for (layer, proj), updates in deltas.items():
-            self._lora.add(idx, layer, proj, updates)
+            self.lora.add(idx, layer, proj, updates)
         return idx
 
     def add_forward(self, module: str, weights: Any) -> None:
@@ -89,7 +91,7 @@ class ModelRunner:
             if isinstance(key, int):
                 logits = self._fill(plan, items, key)
             elif key is None:
-                logits = self.forward(plan, self.kv, projection=self._projection(items))
+                logits = self._base_call(plan, items)
             else:
                 logits = self._own[key](plan, self.kv)
             logits = self.to_host(logits)
@@ -97,6 +99,17 @@ class ModelRunner:
                 out[i] = row
             self._count_rows(items, call="fill" if isinstance(key, int) else "base" if key is None else "own")
         return out  # type: ignore[return-value]  # every index was filled by its call
+
+    def _base_call(self, plan: Any, items: list[WorkItem]) -> torch.Tensor:
+        if self.graphs is not None:
+            if self.graphs.forward is not self.forward:
+                self.graphs.reset(self.forward)
+            lora = any(seq.module_index >= 0 for seq, _, _ in items)
+            rows = torch.tensor([seq.module_index for seq, _, _ in items]) if lora else None
+            logits = self.graphs.run(plan, rows)  # None: not a graphable step
+            if logits is not None:
+                return logits
+        return self.forward(plan, self.kv, projection=self._projection(items))
 
     @staticmethod
     def to_host(logits: torch.Tensor) -> torch.Tensor:
@@ -117,7 +130,7 @@ class ModelRunner:
             self.kv.k[layer].index_copy_(1, d, self.kv.k[layer].index_select(1, s))
             self.kv.v[layer].index_copy_(1, d, self.kv.v[layer].index_select(1, s))
         rows = torch.cat([torch.full((n,), seq.module_index) for seq, _, n in items])
-        return self.forward(plan, self.kv, projection=RowDeltaProjection(rows, self._lora, self.device),
+        return self.forward(plan, self.kv, projection=RowDeltaProjection(rows, self.lora, self.device),
                             first_layer=split, hidden=self.kv.hidden[split].index_select(0, s))
 
     def _chunk(self, seq: Sequence, start: int, n: int) -> Chunk:
@@ -146,7 +159,7 @@ class ModelRunner:
                 if seq.split_layer is not None and depth >= seq.split_layer:
                     own = torch.ones_like(own)  # its prefix rows too, from its split on
                 rows.append(torch.where(own, seq.module_index, -1))
-            parts.append((depth, RowDeltaProjection(torch.cat(rows), self._lora, self.device)))
+            parts.append((depth, RowDeltaProjection(torch.cat(rows), self.lora, self.device)))
         return parts[0][1] if len(parts) == 1 else LayerSplitProjection(tuple(parts))
 
     def _count_rows(self, items: list[WorkItem], *, call: str) -> None:

@@ -145,6 +145,32 @@ def test_a_team_decoding_together_equals_each_agent_alone(team):
     assert together == alone
 
 
+def test_decode_steps_from_graphs_equal_the_eager_ones(team):
+    """On CUDA the decode steps are captured and replayed; on the CPU the same padded steps run
+    eagerly. Greedy tokens equal, logits within the graphs' own first-replay tolerance."""
+    device, forward, modules, _ = team
+    context = torch.randint(3, 250, (50,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = {}
+    for mode in ("off", "auto" if device.type == "cuda" else "padded"):
+        core = EngineCore(forward, IdDecoder(), family="tiny", modules=modules,
+                          config=EngineConfig(kv_cache_bytes=8 << 20, block_size=BLOCK, decode_graphs=mode))
+        rows: dict[str, list[torch.Tensor]] = {}
+        core.logits_hook = lambda rid, row, rows=rows: rows.setdefault(rid, []).append(row.float().clone())
+        core.add_context("ctx", context, ttl=60)
+        drain(core)
+        for i, name in enumerate(["base", "lora", "lora"]):  # the full module decodes in its own call
+            core.add_request(f"r{i}", name, prompt(context, [1 + i, 2]),
+                             SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True))
+        tokens = {k: [e.token_id for e in v if e.token_id is not None] for k, v in drain(core).items()}
+        out[mode] = (tokens, rows, core.runner.graphs)
+    (want, want_rows, _), (got, got_rows, graphs) = out["off"], out[next(m for m in out if m != "off")]
+    assert got == want
+    for rid in want_rows:
+        assert torch.allclose(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=ATOL)
+    assert graphs is not None and graphs.replays > 0 and graphs.mode != "off"
+    assert (graphs.captures > 0) == (device.type == "cuda")
+
+
 def test_kv_leaves_the_device_through_the_host_copy_unchanged(team):
     device, forward, modules, _ = team
     core, _ = engine(forward, modules)

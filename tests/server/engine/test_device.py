@@ -109,7 +109,7 @@ def test_the_workspace_grows_with_the_step_and_the_vocabulary():
 # ---- an engine off the CPU -----------------------------------------------------------------------
 
 
-def meta_engine(model_dir, modules) -> EngineCore:
+def meta_engine(model_dir, modules, graphs: str = "off") -> EngineCore:
     """The engine of ``load_engine``, with its weights, modules and KV on the meta device; the
     logits' copy to the host gives zeros of their shape (a meta tensor holds no values)."""
     loaded = load_model(model_dir)
@@ -120,17 +120,19 @@ def meta_engine(model_dir, modules) -> EngineCore:
         table[name] = load_module(path, name=name, family=family, shape=forward.weights.shape,
                                   dtype=torch.float32, device=META)
     core = EngineCore(forward, loaded.tokenizer, family=family, modules=table,
-                      config=EngineConfig(kv_cache_bytes=16 << 20, max_step_tokens=64))
+                      config=EngineConfig(kv_cache_bytes=16 << 20, max_step_tokens=64, decode_graphs=graphs))
     core.runner.to_host = lambda logits: torch.zeros(logits.shape)  # type: ignore[method-assign]
     return core
 
 
+@pytest.mark.parametrize("graphs", ["off", "padded"])
 def test_every_kind_of_step_runs_on_another_device_without_mixing_devices_or_reading_back(
-    tiny_model_dir, smollm2_tokenizer, make_lora, make_full
+    tiny_model_dir, smollm2_tokenizer, make_lora, make_full, graphs
 ):
+    """``padded``: the decode steps a CUDA graph would capture, too."""
     modules = {"coder": make_lora("coder"), "planner": make_lora("planner", seed=3),
                "split": make_lora("split-meta", seed=5, recompute_layers=1), "full": make_full("full-meta")}
-    core = meta_engine(tiny_model_dir, modules)
+    core = meta_engine(tiny_model_dir, modules, graphs)
     assert core.kv.device == META and core.kv.k[0].device == META and core.kv.hidden
     prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
     core.add_context("ctx", prompt.token_ids[: prompt.context_len], ttl=60)  # chunked prefill (64 a step)
@@ -143,6 +145,7 @@ def test_every_kind_of_step_runs_on_another_device_without_mixing_devices_or_rea
         assert [e.token_id for e in events[name] if e.token_id is not None] == list(FORCED[:4]), events[name][-1]
     assert core.stats.recomputed_prefix_tokens > 0  # the split module filled from the family's blocks
     assert core.stats.module_rows > 0
+    assert graphs == "off" or core.runner.graphs.replays > 0  # type: ignore[union-attr]
 
 
 def test_a_step_that_mixes_devices_fails_on_the_meta_stand_in(tiny_model_dir, smollm2_tokenizer, monkeypatch):
