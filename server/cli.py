@@ -100,6 +100,7 @@ def finetune_joint(
     epochs: float = typer.Option(1.0), batch_size: int = typer.Option(8), lr: float = typer.Option(1e-3),
     seed: int = typer.Option(0), kv_dtype: str = typer.Option("bfloat16", help="KV dtype of the new family"),
     bf16: bool = typer.Option(False, help="bf16 autocast matmuls"), threads: int | None = typer.Option(None),
+    device: str = typer.Option("auto", help=_DEVICE_HELP),
 ) -> None:
     """Train the family's prefill module jointly with a decode adapter per task, merge it into a new
     base (a new family); then fine-tune each decode module on it with `agentshare finetune --base`."""

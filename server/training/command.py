@@ -33,13 +33,7 @@ _DIRECT = ("rank", "alpha", "epochs", "batch_size", "lr", "max_length", "seed", 
 
 def config_from_options(opts: Mapping[str, Any]) -> FinetuneConfig:
     """Map the CLI's option names onto a :class:`FinetuneConfig` (absent options: defaults)."""
-    if opts.get("device") is not None:  # before anything loads
-        from server.engine.device import resolve_device
-
-        try:
-            resolve_device(opts["device"])
-        except ValueError as exc:
-            raise BadOption(str(exc)) from None
+    _check_device(opts)
     base = opts.get("base")
     if base is None:
         from server.models.loader import default_model_dir
@@ -56,6 +50,17 @@ def config_from_options(opts: Mapping[str, Any]) -> FinetuneConfig:
         kind=kind, placement=placement, target_modules=tuple(opts.get("target") or DEFAULT_TARGETS),
         cache_conditioned=not opts.get("standard", False), autocast=bool(opts.get("bf16", False)),
         **extra)
+
+
+def _check_device(opts: Mapping[str, Any]) -> None:
+    """A ``--device`` this process cannot use is refused before anything loads."""
+    if opts.get("device") is not None:
+        from server.engine.device import resolve_device
+
+        try:
+            resolve_device(opts["device"])
+        except ValueError as exc:
+            raise BadOption(str(exc)) from None
 
 
 def run_finetune(opts: Mapping[str, Any]) -> int:
@@ -78,10 +83,12 @@ def run_finetune_joint(opts: Mapping[str, Any]) -> int:
     from server.training.joint import JointConfig, train_joint
 
     try:
+        _check_device(opts)
         cfg = JointConfig(base=opts.get("base") or default_model_dir(), data=opts["data"], output=opts["output"],
                           rank=opts["rank"], alpha=opts["alpha"], decode_rank=opts["decode_rank"],
                           epochs=opts["epochs"], batch_size=opts["batch_size"], lr=opts["lr"], seed=opts["seed"],
-                          kv_dtype=opts["kv_dtype"], autocast=bool(opts["bf16"]), threads=opts["threads"])
+                          kv_dtype=opts["kv_dtype"], autocast=bool(opts["bf16"]), threads=opts["threads"],
+                          device=opts.get("device") or "auto")
         result = train_joint(cfg)
     except (DataError, BadOption, FileNotFoundError, ModelLoadError, OSError) as exc:
         print(f"agentshare finetune-joint: {exc}", file=sys.stderr)

@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from server.engine.device import resolve_device
 from server.kv.family import family_digest
 from server.training.dataset import Batch, DataError, collate, encode, read_jsonl, write_jsonl  # noqa: F401  (write_jsonl: the example)
 from server.training.split import _causal_lm
@@ -66,6 +67,7 @@ class JointConfig:
     kv_dtype: str = "bfloat16"  # of the new family
     autocast: bool = False
     threads: int | None = None
+    device: str = "auto"  # auto, cpu, cuda, cuda:N (server/engine/device.py)
     progress: bool = True
 
 
@@ -103,7 +105,9 @@ def train_joint(cfg: JointConfig) -> JointResult:
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
     model: Any = AutoModelForCausalLM.from_pretrained(cfg.base, dtype=torch.float32)
+    model = model.to(device)
     lora = dict(lora_dropout=0.0, target_modules=list(cfg.target_modules))
     model = get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, **lora),  # type: ignore[arg-type]
                            adapter_name=PREFILL)
@@ -117,11 +121,11 @@ def train_joint(cfg: JointConfig) -> JointResult:
     order = _order(by_task, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(len(order), cfg.warmup))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.autocast else contextlib.nullcontext()
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.autocast else contextlib.nullcontext()
     losses: list[float] = []
     bar = tqdm(total=len(order), desc="finetune --joint", disable=not cfg.progress)
     for task, batch_idx in order:
-        batch = collate([items[i] for i in batch_idx], pad)
+        batch = collate([items[i] for i in batch_idx], pad).to(device)
         with amp:
             loss = _loss(model, task, batch)
         opt.zero_grad(set_to_none=True)
