@@ -139,3 +139,29 @@ def test_a_module_set_is_stacked_once_and_the_least_recently_used_set_goes_first
     assert (0,) in bank._sets and (1,) not in bank._sets and bank.stack((0,), 0, "o") is first
     proj = RowDeltaProjection(torch.tensor([0, -1]), bank)
     assert proj._mask(first.owner, torch.float32) is proj._mask(first.owner, torch.float32)  # once per step
+
+
+def test_rows_pointed_at_other_modules_in_place_compute_as_a_fresh_projection() -> None:
+    """``set_rows`` (a captured decode graph reads the row map where it is): after it, the
+    same object computes what a projection built for the new rows computes, and its row map
+    stayed the same tensor."""
+    from server.engine.weights import Linear
+
+    g = torch.Generator().manual_seed(4)
+    lin = Linear(torch.randn(12, 8, generator=g))
+    deltas = {(m, 0, "o"): _module_updates(g, 2, (0,)) for m in (0, 1)}
+    x = torch.randn(4, 8, generator=g)
+    proj = RowDeltaProjection(torch.tensor([0, 1, -1, 0]), deltas)
+    assert proj.modules == (0, 1)
+    proj(x, lin, layer=0, name="o")  # its masks are cached now
+    kept = proj._row_slot
+    moved = torch.tensor([1, -1, 0, 1])
+    proj.set_rows(moved)
+    assert proj._row_slot is kept and proj._row_slot.tolist() == [1, -1, 0, 1]
+    torch.testing.assert_close(proj(x, lin, layer=0, name="o"), RowDeltaProjection(moved, deltas)(x, lin, layer=0, name="o"))
+    assert proj.slots_of(torch.tensor([-1, 1])).tolist() == [-1, 1]
+
+
+def test_the_row_map_goes_to_the_device_it_is_asked_for() -> None:
+    proj = RowDeltaProjection(torch.tensor([0, -1]), {}, torch.device("meta"))
+    assert proj._row_slot.device.type == "meta" and proj.modules == (0,)

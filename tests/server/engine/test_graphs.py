@@ -94,6 +94,43 @@ def test_a_capture_that_fails_turns_graphs_off_and_the_step_runs_eagerly(parts, 
     assert any(getattr(r, "event", None) == "decode_graph" and "capture failed" in r.why for r in caplog.records)
 
 
+class _ReplayOnTheCPU:
+    """A stand-in for a captured CUDA graph: its replay recomputes the padded step into the
+    captured output buffer, as a graph writes its outputs in place (``off``: adds an error)."""
+
+    def __init__(self, graphs, g, off: float) -> None:
+        self.graphs, self.g, self.off = graphs, g, off
+
+    def replay(self) -> None:
+        out = self.graphs.forward(self.g.plan, self.graphs.kv, projection=self.g.projection)
+        self.g.out.copy_(out + self.off)
+
+
+@pytest.mark.parametrize("off", [0.0, 0.5], ids=["agrees", "differs"])
+def test_each_graph_is_checked_against_the_eager_step_on_its_first_replay(parts, caplog, monkeypatch, off):
+    from server.engine import graphs as graphs_module
+
+    def capture(self, g):
+        g.out = self.forward(g.plan, self.kv, projection=g.projection).clone()
+        g.graph = _ReplayOnTheCPU(self, g, off)
+        self.captures += 1
+
+    monkeypatch.setattr(graphs_module.DecodeGraphs, "_capture", capture)
+    _, eager, eager_rows = run(parts, "off")
+    with caplog.at_level(logging.WARNING, logger="agentshare.engine"):
+        core, tokens, rows = run(parts, "padded", then="cuda")
+    graphs = core.runner.graphs
+    assert graphs is not None and tokens == eager  # a graph that differs never served a token
+    for rid, want in eager_rows.items():
+        assert torch.allclose(torch.stack(rows[rid]), torch.stack(want), atol=1e-5)
+    if off:
+        assert graphs.mode == "off" and graphs.captures == 1 and graphs.replays == 1
+        assert any("differs from the eager step" in getattr(r, "why", "") for r in caplog.records)
+    else:
+        assert graphs.mode == "cuda" and graphs.captures == len(graphs._graphs) >= 2 and graphs.replays > graphs.captures
+        assert all(g.checked for g in graphs._graphs.values())
+
+
 def test_the_mode_is_checked():
     with pytest.raises(ValueError, match="decode_graphs is auto, off or padded"):
         EngineConfig(decode_graphs="always")
