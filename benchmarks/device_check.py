@@ -39,7 +39,7 @@ from server.engine.attention import KERNELS
 from server.engine.core import EngineConfig, EngineCore
 from server.engine.device import device_name, resolve_device
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import FinishReason
+from server.engine.sequence import FinishReason, Phase
 from server.models.synthetic import SHAPES, random_engine, random_hf_model, tiny_shape
 from server.prompt import Prompt
 
@@ -143,7 +143,7 @@ def engine_decode(core: EngineCore, batch: int, ctx: int, steps: int, vocab: int
         turn = tokens(16, 1000 + i, vocab)
         ids = tuple(context + turn)
         c.add_request(f"r{i}", "base", Prompt(ids, ctx, ctx, len(ids)), params)
-    for _ in range(2):  # admission, the turns' prefill and the first tokens
+    while c.waiting or any(s.phase is not Phase.DECODE for s in c.running):  # the turns' prefill, first tokens
         c.step()
     sync(device)
     t0 = time.perf_counter()
