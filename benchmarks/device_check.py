@@ -1,7 +1,7 @@
 """The GPU check's figures (``scripts/device-check``, docs/gpu.md): the embedded engine on one
 device, each figure beside transformers on the same device and beside the hardware's limit.
 
-For each model shape (``server/models/synthetic.py``: the default model's, a 1B-class and an
+For each model shape (``server/engine/synthetic.py``: the default model's, a 1B-class and an
 8B-class Llama, random bf16 weights built on the device):
 
 * prefill tok/s of one fresh context (2,048 and 8,192 tokens) — beside transformers' forward
@@ -40,7 +40,7 @@ from server.engine.core import EngineConfig, EngineCore
 from server.engine.device import device_name, resolve_device
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Phase
-from server.models.synthetic import SHAPES, random_engine, random_hf_model, tiny_shape
+from server.engine.synthetic import SHAPES, random_engine, random_hf_model, tiny_shape
 from server.prompt import Prompt
 
 # (HBM bytes/s, dense bf16 FLOP/s) from the vendors' data sheets, by a word of the device's name

@@ -25,7 +25,7 @@ from server.engine.device import to_host
 from server.engine.forward import LlamaForward
 from server.engine.modules import DecodeModule, base_module
 from server.engine.sampling import SamplingParams
-from server.models.synthetic import IdDecoder, random_hf_model, random_lora, tiny_shape
+from server.engine.synthetic import IdDecoder, random_hf_model, random_lora, tiny_shape
 from server.prompt import Prompt
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(

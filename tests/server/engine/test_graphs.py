@@ -15,7 +15,7 @@ from server.engine.forward import LlamaForward
 from server.engine.graphs import WIDTH, bucket, width_bucket
 from server.engine.modules import DecodeModule, base_module
 from server.engine.sampling import SamplingParams
-from server.models.synthetic import IdDecoder, random_hf_model, random_lora, tiny_shape
+from server.engine.synthetic import IdDecoder, random_hf_model, random_lora, tiny_shape
 from server.prompt import Prompt
 
 
