@@ -203,6 +203,8 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             self.forward(g.plan, self.kv, projection=g.projection)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if g.projection is not None:  # the graph makes the row masks itself, from the row map's buffer
+            g.projection.forget_masks()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             g.out = self.forward(g.plan, self.kv, projection=g.projection)

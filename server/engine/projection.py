@@ -143,7 +143,7 @@ class RowDeltaProjection:
     [[0.0, 0.0], [1.0, 1.0]]
     """
 
-    __slots__ = ("_bank", "_masks", "_modules", "_row_slot")
+    __slots__ = ("_bank", "_cols", "_masks", "_modules", "_row_slot")
 
     def __init__(
         self, row_modules: torch.Tensor, deltas: Mapping[tuple[int, int, str], list[LowRank]] | LoraBank,
@@ -156,6 +156,7 @@ class RowDeltaProjection:
         slot = self.slots_of(row_modules)
         self._row_slot = slot if device is None else slot.to(device)
         self._masks: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._cols: dict[tuple[int, ...], torch.Tensor] = {}  # each layout's slot per rank column
 
     @property
     def modules(self) -> tuple[int, ...]:
@@ -173,7 +174,12 @@ class RowDeltaProjection:
         """Point the rows at new modules of the same set, in place (a captured graph reads
         the row map where it was)."""
         self._row_slot.copy_(self.slots_of(row_modules), non_blocking=True)
-        self._masks.clear()  # an eager forward recomputes them; a graph replays their ops anyway
+        self.forget_masks()
+
+    def forget_masks(self) -> None:
+        """Drop the masks made from the row map: the next forward makes them again (a graph
+        captured then holds the ops that make them, so a replay reads the row map anew)."""
+        self._masks.clear()
 
     def __call__(self, x: torch.Tensor, linear: Linear, *, layer: int, name: str) -> torch.Tensor:
         y = linear(x)
@@ -197,7 +203,9 @@ class RowDeltaProjection:
         key = (owner, dtype)
         mask = self._masks.get(key)
         if mask is None:
-            cols = torch.tensor(owner, dtype=self._row_slot.dtype, device=self._row_slot.device)
+            cols = self._cols.get(owner)
+            if cols is None:  # made once, from the host: never inside a graph's capture
+                cols = self._cols[owner] = torch.tensor(owner, dtype=self._row_slot.dtype, device=self._row_slot.device)
             mask = self._masks[key] = (self._row_slot[:, None] == cols[None, :]).to(dtype)
         return mask
 

@@ -158,9 +158,11 @@ def test_decode_steps_from_graphs_equal_the_eager_ones(team):
         core.logits_hook = lambda rid, row, rows=rows: rows.setdefault(rid, []).append(row.float().clone())
         core.add_context("ctx", context, ttl=60)
         drain(core)
-        for i, name in enumerate(["base", "lora", "lora"]):  # the full module decodes in its own call
+        # rows [lora, base, lora, base]; when r0 ends, [base, lora, base] stay in the bucket of
+        # four with the same module set, each row now another's: a replay must read the new rows
+        for i, name in enumerate(["lora", "base", "lora", "base"]):
             core.add_request(f"r{i}", name, prompt(context, [1 + i, 2]),
-                             SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True))
+                             SamplingParams(temperature=0, max_tokens=(4, 12, 12, 12)[i], ignore_eos=True))
         tokens = {k: [e.token_id for e in v if e.token_id is not None] for k, v in drain(core).items()}
         out[mode] = (tokens, rows, core.runner.graphs)
     (want, want_rows, _), (got, got_rows, graphs) = out["off"], out[next(m for m in out if m != "off")]
