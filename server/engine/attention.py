@@ -96,7 +96,12 @@ def _checked_device_partial(
     kind = (q.device.type, str(q.dtype).removeprefix("torch."), causal, mask is not None)
     chosen = KERNELS.get(kind)
     if chosen == "efficient":
-        return efficient_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+        try:
+            return efficient_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+        except RuntimeError as exc:  # a layout this kind had not shown before: the reference serves it
+            log.warning("the device attention kernel refused a call; the reference serves it",
+                        extra={"event": "attention_kernel", "kind": str(kind), "why": f"{type(exc).__name__}: {exc}"})
+            return reference_partial(q, k, v, causal=causal, mask=mask, scale=scale)
     ref = reference_partial(q, k, v, causal=causal, mask=mask, scale=scale)
     if chosen is None:  # first call of this kind: does the kernel agree with the reference?
         try:

@@ -206,7 +206,7 @@ class DecodeGraphs:
         if g.projection is not None:  # the graph makes the row masks itself, from the row map's buffer
             g.projection.forget_masks()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             g.out = self.forward(g.plan, self.kv, projection=g.projection)
         g.graph = graph
         self.captures += 1

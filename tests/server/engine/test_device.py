@@ -187,6 +187,20 @@ def test_a_kernel_that_agrees_serves_its_kind_from_the_second_call(monkeypatch):
     assert len(calls) == 2 and torch.equal(first.out, second.out)
 
 
+def test_a_kernel_that_refuses_a_later_call_of_its_kind_leaves_that_call_to_the_reference(monkeypatch, caplog):
+    monkeypatch.setattr(attention, "KERNELS", {("cpu", "float32", False, False): "efficient"})
+
+    def kernel(q, k, v, *, causal=False, mask=None, scale=None):
+        raise RuntimeError("this layout is not supported")
+
+    monkeypatch.setattr(attention, "efficient_partial", kernel)
+    q, k, v, _ = _inputs()
+    with caplog.at_level(logging.WARNING, logger="agentshare.engine"):
+        got = _checked_device_partial(q, k, v, causal=False, mask=None, scale=None)
+    assert torch.equal(got.out, reference_partial(q, k, v).out)
+    assert any("refused a call" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("fault", ["disagrees", "raises", "lse"])
 def test_a_kernel_that_disagrees_or_fails_is_logged_and_the_reference_serves(monkeypatch, caplog, fault):
     monkeypatch.setattr(attention, "KERNELS", {})
