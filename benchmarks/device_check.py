@@ -37,7 +37,8 @@ import torch
 
 from server.engine.attention import KERNELS
 from server.engine.core import EngineConfig, EngineCore
-from server.engine.device import device_name, resolve_device
+from server.engine.cuda import device_name
+from server.engine.device import resolve_device
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason, Phase
 from server.engine.synthetic import SHAPES, random_engine, random_hf_model, tiny_shape

@@ -58,8 +58,9 @@ MODULES: dict[str, Module] = {
     # which module's weights compute each row: base rows exact, each LoRA row its own deltas only
     "projection": Module("server/engine/projection.py", ("tests/server/engine/test_engine_projection.py",)),
     # where an engine computes and how much KV fits there; decode steps padded for CUDA graphs
-    "device": Module("server/engine/device.py", ("tests/server/engine/test_device.py", "-k", "not step")),
-    "graphs": Module("server/engine/graphs.py", ("tests/server/engine/test_graphs.py",)),
+    "device": Module("server/engine/device.py", ("tests/server/engine/test_device.py", "server/engine/device.py",
+                                                 "-k", "not every_kind and not mixes_devices")),
+    "graphs": Module("server/engine/graphs.py", ("tests/server/engine/test_graphs.py", "server/engine/graphs.py")),
     # the vllm engine's prefix store and its transfer between hosts (what reaches a decode instance)
     "store": Module("server/vllm/store.py", ("tests/server/vllm/test_store.py",)),
     "relay": Module("server/vllm/relay.py", ("tests/server/vllm/test_relay.py",)),

@@ -32,7 +32,7 @@ import torch
 from server.cluster.codec import KVChunk
 from server.cluster.messages import WorkerError
 from server.engine.core import EngineCore
-from server.engine.device import to_host
+from server.engine.cuda import to_host
 from server.engine.errors import InvalidRequest, Overloaded
 from server.engine.sequence import Phase, Sequence
 from server.kv.pool import BlockState, Pin

@@ -17,8 +17,9 @@ import torch
 
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineConfig, EngineCore
+from server.engine.cuda import device_name
 from server.engine.detokenize import Decoder
-from server.engine.device import device_name, resolve_device
+from server.engine.device import resolve_device
 from server.engine.forward import LlamaForward
 from server.engine.modules import base_module, load_module
 from server.engine.numerics import choose_threads, dtype_name, resolve_dtype, set_threads

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from server.engine.cuda import cuda_count, cuda_memory
 from server.kv.errors import KVAllocationError
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -42,11 +43,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 _SPEC = re.compile(r"(auto|cpu|cuda)(?::(\d+))?")
 
 
-def _cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_device(spec: str | torch.device | None = "auto", *, cuda_count: Callable[[], int] = _cuda_count) -> torch.device:
+def resolve_device(spec: str | torch.device | None = "auto", *, cuda_count: Callable[[], int] = cuda_count) -> torch.device:
     """The device ``spec`` names (``auto``, ``cpu``, ``cuda``, ``cuda:N``); a clear error for a
     device this process cannot use.
 
@@ -77,23 +74,13 @@ def resolve_device(spec: str | torch.device | None = "auto", *, cuda_count: Call
     return torch.device("cuda", index)
 
 
-def device_name(device: torch.device) -> str:
-    """What to log: the CUDA device's name, or ``cpu``."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _cuda_memory(device: torch.device) -> tuple[int, int]:
-    free, total = torch.cuda.mem_get_info(device)
-    return int(free), int(total)
-
-
 def kv_pool_bytes(
     device: torch.device,
     *,
     requested: int | None,
     utilization: float,
     workspace: int,
-    memory: Callable[[torch.device], tuple[int, int]] = _cuda_memory,
+    memory: Callable[[torch.device], tuple[int, int]] = cuda_memory,
 ) -> int:
     """Bytes of the KV pool on ``device``.
 
@@ -146,35 +133,3 @@ def step_workspace_bytes(*, tokens: int, rows: int, hidden: int, intermediate: i
     per_token = (4 * hidden + 3 * intermediate + 2 * qkv) * itemsize
     return 2 * (tokens * per_token + rows * vocab * 4)
 
-
-_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def to_host(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Callable[[], None] | None]:
-    """Host copies of ``tensors``, and what to call before reading them (None: they are ready).
-
-    On a CUDA device the copies go to pinned memory on a side stream, after the work queued so
-    far on the current one: the engine's next step runs while they travel, and the reader waits
-    for these copies alone. On the CPU the tensors themselves come back.
-
-    >>> (t,), wait = to_host(torch.ones(2))
-    >>> t.tolist(), wait is None
-    ([1.0, 1.0], True)
-    """
-    if not tensors or tensors[0].device.type != "cuda":
-        return tensors, None
-    device = tensors[0].device
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    hosts = []
-    with torch.cuda.stream(stream):
-        for t in tensors:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # the device memory stays ours until the copy is done
-            hosts.append(host)
-    done = torch.cuda.Event()
-    done.record(stream)
-    return tuple(hosts), done.synchronize

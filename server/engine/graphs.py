@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from server.engine.batch import DecodeGroup, StepPlan
+from server.engine.cuda import capture_graph, new_graph_pool
 from server.engine.forward import LlamaForward
 from server.engine.projection import LoraBank, RowDeltaProjection
 from server.kv.storage import KVStorage
@@ -96,11 +98,13 @@ class DecodeGraphs:
         self.forward = forward
         self._graphs.clear()
 
-    def run(self, plan: StepPlan, row_modules: torch.Tensor | None) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, row_modules: torch.Tensor | None,
+            eager: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         """Logits of the step's rows, or None: not graphable (the caller runs it eagerly).
 
         ``row_modules``: each row's LoRA module index (-1: the base), on the host; None: no
-        LoRA row in the step."""
+        LoRA row in the step. ``eager``: the step as the caller runs it without graphs (each
+        graph's first replay is checked against it)."""
         if not self.enabled or not graphable(plan):
             return None
         assert plan.decode is not None
@@ -123,7 +127,7 @@ class DecodeGraphs:
             out = self.forward(g.plan, self.kv, projection=g.projection)
             self.replays += 1
             return out[:rows]
-        return self._replay(key, g, plan, row_modules)
+        return self._replay(g, plan, eager)
 
     # ---- the padded buffers ------------------------------------------------------------------
 
@@ -170,7 +174,7 @@ class DecodeGraphs:
 
     # ---- CUDA ----------------------------------------------------------------------------------
 
-    def _replay(self, key: tuple, g: _Graph, plan: StepPlan, row_modules: torch.Tensor | None) -> torch.Tensor | None:
+    def _replay(self, g: _Graph, plan: StepPlan, eager_step: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         rows = plan.num_tokens
         try:
             if g.graph is None:
@@ -183,8 +187,7 @@ class DecodeGraphs:
         out = g.out[:rows].clone()
         self.replays += 1
         if not g.checked:  # the first replay of each graph against the eager step
-            eager = self.forward(plan, self.kv, projection=None if row_modules is None else
-                                 RowDeltaProjection(row_modules, self.bank, self.device))
+            eager = eager_step()
             err = float((out.float() - eager.float()).abs().max())
             scale = float(eager.float().abs().max()) or 1.0
             if err > self.tolerance * scale:
@@ -194,21 +197,15 @@ class DecodeGraphs:
         return out
 
     def _capture(self, g: _Graph) -> None:
-        """Warm up on a side stream (caches fill: LoRA stacks, attention kernel checks), then
-        capture into the engine's shared graph pool."""
+        """Warm up (caches fill: LoRA stacks, attention kernel checks), then capture into the
+        engine's shared graph pool; the graph makes the row masks itself, from the row map's
+        buffer."""
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.forward(g.plan, self.kv, projection=g.projection)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        if g.projection is not None:  # the graph makes the row masks itself, from the row map's buffer
-            g.projection.forget_masks()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            g.out = self.forward(g.plan, self.kv, projection=g.projection)
-        g.graph = graph
+            self._pool = new_graph_pool()
+        projection = g.projection
+        g.graph, g.out = capture_graph(lambda: self.forward(g.plan, self.kv, projection=projection),
+                                       device=self.device, pool=self._pool,
+                                       before=projection.forget_masks if projection is not None else _nothing)
         self.captures += 1
 
     def _disable(self, why: str) -> None:
@@ -216,3 +213,7 @@ class DecodeGraphs:
                     extra={"event": "decode_graph", "why": why})
         self.mode = "off"
         self._graphs.clear()
+
+
+def _nothing() -> None:
+    return None

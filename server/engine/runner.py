@@ -106,9 +106,12 @@ class ModelRunner:
                 self.graphs.reset(self.forward)
             lora = any(seq.module_index >= 0 for seq, _, _ in items)
             rows = torch.tensor([seq.module_index for seq, _, _ in items]) if lora else None
-            logits = self.graphs.run(plan, rows)  # None: not a graphable step
+            logits = self.graphs.run(plan, rows, lambda: self._eager(plan, items))  # None: not graphable
             if logits is not None:
                 return logits
+        return self._eager(plan, items)
+
+    def _eager(self, plan: Any, items: list[WorkItem]) -> torch.Tensor:
         return self.forward(plan, self.kv, projection=self._projection(items))
 
     @staticmethod

@@ -21,7 +21,7 @@ import torch
 from server.engine import attention
 from server.engine.config import EngineConfig
 from server.engine.core import EngineCore
-from server.engine.device import to_host
+from server.engine.cuda import to_host
 from server.engine.forward import LlamaForward
 from server.engine.modules import DecodeModule, base_module
 from server.engine.sampling import SamplingParams

@@ -38,6 +38,18 @@ def test_without_cuda_auto_and_cpu_are_the_cpu(spec):
     assert resolve_device(spec, cuda_count=lambda: 0) == torch.device("cpu")
 
 
+def test_the_device_left_out_is_auto(monkeypatch):
+    assert resolve_device(cuda_count=lambda: 0) == torch.device("cpu")
+    assert resolve_device(cuda_count=lambda: 1) == torch.device("cuda", 0)
+
+
+def test_without_cuda_visible_devices_the_error_does_not_name_it(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(ValueError) as err:
+        resolve_device("cuda:0", cuda_count=lambda: 0)
+    assert "CUDA_VISIBLE_DEVICES" not in str(err.value) and "torch sees no CUDA device (torch" in str(err.value)
+
+
 def test_auto_takes_the_first_visible_cuda_device():
     assert resolve_device("auto", cuda_count=lambda: 3) == torch.device("cuda", 0)
     assert resolve_device("cuda", cuda_count=lambda: 3) == torch.device("cuda", 0)
@@ -80,7 +92,24 @@ def test_a_requested_pool_that_fits_is_kept_and_one_that_does_not_is_refused_wit
         kv_pool_bytes(CUDA0, requested=9 * GIB + 1, utilization=0.9, workspace=GIB, memory=mem)
 
 
+def test_the_pool_reads_the_memory_of_its_own_device_and_takes_all_it_may():
+    asked = []
+
+    def memory(device):
+        asked.append(device)
+        return 10 * GIB, 10 * GIB
+
+    assert kv_pool_bytes(torch.device("cuda", 3), requested=None, utilization=1.0, workspace=GIB, memory=memory) == 9 * GIB
+    assert asked == [torch.device("cuda", 3)]
+    # exactly what fits is kept; a pool of one byte is a pool
+    assert kv_pool_bytes(CUDA0, requested=9 * GIB, utilization=0.5, workspace=GIB, memory=memory) == 9 * GIB
+    assert kv_pool_bytes(CUDA0, requested=None, utilization=0.5, workspace=4 * GIB - 1,
+                         memory=lambda d: (9 * GIB, 10 * GIB)) == 1
+
+
 def test_no_room_left_under_the_utilisation_is_an_error_not_an_empty_pool():
+    with pytest.raises(KVAllocationError, match="no room for a KV pool"):  # exactly nothing left
+        kv_pool_bytes(CUDA0, requested=None, utilization=0.5, workspace=4 * GIB, memory=lambda d: (9 * GIB, 10 * GIB))
     with pytest.raises(KVAllocationError, match="raise --gpu-memory-utilization"):
         kv_pool_bytes(CUDA0, requested=None, utilization=0.5, workspace=GIB, memory=lambda d: (40 * GIB, 80 * GIB))
 
@@ -96,6 +125,14 @@ def test_the_utilisation_is_a_fraction(utilization):
 def test_the_cpu_pool_is_the_size_asked_for_or_one_gib():
     assert kv_pool_bytes(torch.device("cpu"), requested=None, utilization=0.9, workspace=GIB) == GIB
     assert kv_pool_bytes(torch.device("cpu"), requested=123, utilization=0.9, workspace=GIB) == 123
+
+
+def test_the_workspace_is_twice_the_widest_rows_and_the_logits():
+    # (4 * 10 + 3 * 20 + 2 * 30) * 2 bytes = 320 a token; 3 rows of 1000 fp32 logits
+    assert step_workspace_bytes(tokens=100, rows=3, hidden=10, intermediate=20, qkv=30, vocab=1000,
+                                itemsize=2) == 2 * (100 * 320 + 3 * 1000 * 4)
+    assert step_workspace_bytes(tokens=7, rows=5, hidden=3, intermediate=11, qkv=13, vocab=17,
+                                itemsize=4) == 2 * (7 * (4 * 3 + 3 * 11 + 2 * 13) * 4 + 5 * 17 * 4)
 
 
 def test_the_workspace_grows_with_the_step_and_the_vocabulary():

@@ -165,3 +165,39 @@ def test_rows_pointed_at_other_modules_in_place_compute_as_a_fresh_projection() 
 def test_the_row_map_goes_to_the_device_it_is_asked_for() -> None:
     proj = RowDeltaProjection(torch.tensor([0, -1]), {}, torch.device("meta"))
     assert proj._row_slot.device.type == "meta" and proj.modules == (0,)
+
+
+def test_a_layer_split_projection_gives_each_layer_the_part_that_starts_at_or_below_it() -> None:
+    """Parts from layers 0 and 2: layers 0-1 take the first, 2 and deeper the second, and the
+    lm_head (layer -1) the deepest; each gets the call's own arguments."""
+    from server.engine.projection import LayerSplitProjection
+    from server.engine.weights import Linear
+
+    calls = []
+
+    def part(tag: float):
+        def project(x, linear, *, layer, name):
+            calls.append((tag, layer, name, linear))
+            return x + tag
+        return project
+
+    lin = Linear(torch.eye(2))
+    split = LayerSplitProjection(((0, part(1.0)), (2, part(10.0))))
+    x = torch.zeros(1, 2)
+    got = [float(split(x, lin, layer=i, name=f"p{i}")[0, 0]) for i in (0, 1, 2, 3, -1)]
+    assert got == [1.0, 1.0, 10.0, 10.0, 10.0]
+    assert [(layer, name) for _, layer, name, _ in calls] == [(0, "p0"), (1, "p1"), (2, "p2"), (3, "p3"), (-1, "p-1")]
+    assert all(linear is lin for *_, linear in calls)
+    three = LayerSplitProjection(((0, part(1.0)), (1, part(5.0)), (3, part(7.0))))
+    assert [float(three(x, lin, layer=i, name="o")[0, 0]) for i in (0, 1, 2, 3, -1)] == [1.0, 5.0, 5.0, 7.0, 7.0]
+
+
+def test_the_row_masks_are_made_on_the_row_maps_device() -> None:
+    """On the meta device (a stand-in for a GPU): a rank-column tensor made on the host fails."""
+    from server.engine.weights import Linear
+
+    meta = torch.device("meta")
+    deltas = {(0, 0, "o"): [LowRank(a=torch.ones(2, 4, device=meta), b=torch.ones(4, 2, device=meta))]}
+    proj = RowDeltaProjection(torch.tensor([0, -1, 0]), deltas, meta)
+    out = proj(torch.ones(3, 4, device=meta), Linear(torch.ones(4, 4, device=meta)), layer=0, name="o")
+    assert out.device == meta and out.shape == (3, 4)
