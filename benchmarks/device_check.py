@@ -249,6 +249,13 @@ def agreement(shape: dict[str, Any], prompts: int, ctx: int, out: int, device: t
 # ---- the run -----------------------------------------------------------------------------------
 
 
+def beside(what: str, ours: float, theirs: float, limit: float | None) -> dict[str, float | None]:
+    """One figure (tok/s) beside transformers' and the limit's; printed, and returned for the JSON."""
+    print(f"{what}: {ours:,.1f} tok/s (transformers {theirs:,.1f}, limit {limit or float('nan'):,.0f})", flush=True)
+    return {"engine_tok_s": ours, "transformers_tok_s": theirs, "limit_tok_s": limit,
+            "vs_transformers": ours / theirs, "of_limit": ours / limit if limit else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto")
@@ -294,22 +301,15 @@ def main() -> None:
                 continue
             ours = engine_prefill(core, n, plan["reps"], vocab, device)
             theirs = hf_prefill(model, n, plan["reps"], vocab, device)
-            limit = prefill_limit(nums, n, flops)
-            out[f"prefill_{n}"] = {"engine_tok_s": ours, "transformers_tok_s": theirs, "limit_tok_s": limit,
-                                   "vs_transformers": ours / theirs, "of_limit": ours / limit if limit else None}
-            print(f"[{shape_name}] prefill {n}: {ours:,.0f} tok/s (transformers {theirs:,.0f}, limit "
-                  f"{limit or float('nan'):,.0f})", flush=True)
+            out[f"prefill_{n}"] = beside(f"[{shape_name}] prefill {n}", ours, theirs, prefill_limit(nums, n, flops))
         for b in plan["batches"]:
             if left() < 20:
                 result["skipped"].append(f"{shape_name}/decode_{b}")
                 continue
             ours = engine_decode(core, b, plan["ctx"], plan["decode_tokens"], vocab, device)
             theirs = hf_decode(model, b, plan["ctx"], plan["decode_tokens"], vocab, device)
-            limit = decode_limit(nums, b, plan["ctx"], bandwidth, 16 + plan["decode_tokens"])
-            out[f"decode_{b}"] = {"engine_tok_s": ours, "transformers_tok_s": theirs, "limit_tok_s": limit,
-                                  "vs_transformers": ours / theirs, "of_limit": ours / limit if limit else None}
-            print(f"[{shape_name}] decode batch {b}: {ours:,.1f} tok/s (transformers {theirs:,.1f}, limit "
-                  f"{limit or float('nan'):,.0f})", flush=True)
+            out[f"decode_{b}"] = beside(f"[{shape_name}] decode batch {b}", ours, theirs,
+                                        decode_limit(nums, b, plan["ctx"], bandwidth, 16 + plan["decode_tokens"]))
         for n_agents in plan["agents"]:
             if left() < 30:
                 result["skipped"].append(f"{shape_name}/headline_{n_agents}")

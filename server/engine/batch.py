@@ -115,7 +115,7 @@ class StepPlan:
     chunks: tuple[ChunkPart, ...]
     logit_rows: torch.Tensor | None  # rows whose logits are returned; None: all rows
     row_spans: tuple[tuple[int, int], ...] = field(default=())  # request i -> rows [lo, hi)
-    max_position: int = -1  # the step's last position (known on the host, wherever the step runs)
+    max_position: int = 0  # the step's last position (known on the host, wherever the step runs)
 
     @property
     def num_tokens(self) -> int:

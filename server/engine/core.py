@@ -127,6 +127,8 @@ class EngineCore:
     @forward.setter
     def forward(self, forward: LlamaForward) -> None:
         self.runner.forward = forward
+        if self.runner.graphs is not None:  # graphs of the old forward replay the old one
+            self.runner.graphs.reset(forward)
 
     @property
     def waiting(self) -> deque[Sequence]:

@@ -57,6 +57,12 @@ class LlamaForward:
         s = self.weights.shape
         return KVSpec(s.num_layers, s.num_kv_heads, s.head_dim, self.weights.dtype)
 
+    def check_positions(self, plan: StepPlan) -> None:
+        """Refuse a step whose last position lies past the model's context (read on the host)."""
+        limit = self.weights.shape.max_context
+        if plan.max_position >= limit:
+            raise ValueError(f"position {plan.max_position} beyond the context of {limit}")
+
     @torch.inference_mode()
     def __call__(
         self, plan: StepPlan, kv: KVStorage, *, projection: Projection | None = None,
@@ -74,9 +80,7 @@ class LlamaForward:
         w, s = self.weights, self.weights.shape
         if kv.spec != self.kv_spec():
             raise ValueError(f"KV storage {kv.spec} does not fit this model ({self.kv_spec()})")
-        last = plan.max_position if plan.max_position >= 0 else int(plan.positions.max())
-        if last >= s.max_context:
-            raise ValueError(f"position {last} beyond the context of {s.max_context}")
+        self.check_positions(plan)
         if (first_layer > 0) != (hidden is not None) or not 0 <= first_layer < s.num_layers:
             raise ValueError(f"start at layer {first_layer} of {s.num_layers} needs that layer's input, and only then")
         project = projection or self.projection

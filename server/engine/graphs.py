@@ -35,7 +35,7 @@ import torch
 from server.engine.batch import DecodeGroup, StepPlan
 from server.engine.cuda import capture_graph, new_graph_pool
 from server.engine.forward import LlamaForward
-from server.engine.projection import LoraBank, RowDeltaProjection
+from server.engine.projection import LoraBank, RowDeltaProjection, modules_of
 from server.kv.storage import KVStorage
 
 log = logging.getLogger("agentshare.engine")
@@ -67,7 +67,6 @@ def graphable(plan: StepPlan) -> bool:
 class _Graph:
     plan: StepPlan  # over the padded buffers below
     projection: RowDeltaProjection | None
-    rows: int
     graph: Any = None  # torch.cuda.CUDAGraph, once captured
     out: torch.Tensor | None = None  # the captured step's logits
     checked: bool = False
@@ -112,7 +111,7 @@ class DecodeGraphs:
         padded_rows = bucket(rows)
         assert padded_rows is not None
         width = width_bucket(plan.decode.gather.shape[1])
-        modules = () if row_modules is None else tuple(torch.unique(row_modules[row_modules >= 0]).tolist())
+        modules = () if row_modules is None else modules_of(row_modules)
         prefix = tuple((g.slot_start, g.num_tokens) for g in plan.prefix_groups)
         key = (padded_rows, width, prefix, modules)
         g = self._graphs.get(key)
@@ -141,11 +140,11 @@ class DecodeGraphs:
                           positions=torch.zeros(rows, dtype=torch.long, device=dev),
                           write_slots=torch.full((rows,), self.scratch, dtype=torch.long, device=dev),
                           prefix_groups=groups, decode=decode, chunks=(), logit_rows=None,
-                          max_position=0)  # the real step's positions are checked before it runs
+                          max_position=0)  # _fill checks the real step's positions
         projection = None
         if row_modules is not None:
             projection = RowDeltaProjection(self._pad_rows(row_modules, rows), self.bank, dev)
-        return _Graph(padded, projection, rows)
+        return _Graph(padded, projection)
 
     def _pad_rows(self, row_modules: torch.Tensor, rows: int) -> torch.Tensor:
         out = torch.full((rows,), -1, dtype=row_modules.dtype)
@@ -156,9 +155,7 @@ class DecodeGraphs:
         """Copy this step into the graph's buffers; padding rows get the scratch slot."""
         n, p = plan.num_tokens, g.plan
         assert plan.decode is not None and p.decode is not None
-        if plan.max_position >= self.forward.weights.shape.max_context:
-            raise ValueError(f"position {plan.max_position} beyond the context of "
-                             f"{self.forward.weights.shape.max_context}")
+        self.forward.check_positions(plan)  # the padded plan's own positions are never read back
         w = plan.decode.gather.shape[1]
         p.token_ids[:n].copy_(plan.token_ids)
         p.positions[:n].copy_(plan.positions)
@@ -170,7 +167,7 @@ class DecodeGraphs:
         p.decode.mask[:n, ..., :w].copy_(plan.decode.mask)
         p.decode.mask[n:, ..., 0] = 0.0  # a padding row attends its scratch slot
         if g.projection is not None and row_modules is not None:
-            g.projection.set_rows(self._pad_rows(row_modules, g.rows))
+            g.projection.set_rows(self._pad_rows(row_modules, g.plan.num_tokens))
 
     # ---- CUDA ----------------------------------------------------------------------------------
 

@@ -102,8 +102,6 @@ class ModelRunner:
 
     def _base_call(self, plan: Any, items: list[WorkItem]) -> torch.Tensor:
         if self.graphs is not None:
-            if self.graphs.forward is not self.forward:
-                self.graphs.reset(self.forward)
             lora = any(seq.module_index >= 0 for seq, _, _ in items)
             rows = torch.tensor([seq.module_index for seq, _, _ in items]) if lora else None
             logits = self.graphs.run(plan, rows, lambda: self._eager(plan, items))  # None: not graphable
