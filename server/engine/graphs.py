@@ -139,8 +139,7 @@ class DecodeGraphs:
         padded = StepPlan(token_ids=torch.zeros(rows, dtype=torch.long, device=dev),
                           positions=torch.zeros(rows, dtype=torch.long, device=dev),
                           write_slots=torch.full((rows,), self.scratch, dtype=torch.long, device=dev),
-                          prefix_groups=groups, decode=decode, chunks=(), logit_rows=None,
-                          max_position=0)  # _fill checks the real step's positions
+                          prefix_groups=groups, decode=decode, chunks=(), logit_rows=None)  # _fill checks the real step's positions
         projection = None
         if row_modules is not None:
             projection = RowDeltaProjection(self._pad_rows(row_modules, rows), self.bank, dev)

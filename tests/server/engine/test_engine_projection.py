@@ -201,3 +201,10 @@ def test_the_row_masks_are_made_on_the_row_maps_device() -> None:
     proj = RowDeltaProjection(torch.tensor([0, -1, 0]), deltas, meta)
     out = proj(torch.ones(3, 4, device=meta), Linear(torch.ones(4, 4, device=meta)), layer=0, name="o")
     assert out.device == meta and out.shape == (3, 4)
+
+
+def test_a_steps_modules_are_its_rows_modules_once_each_in_ascending_order() -> None:
+    from server.engine.projection import modules_of
+
+    assert modules_of(torch.tensor([2, -1, 0, 2, 1])) == (0, 1, 2)
+    assert modules_of(torch.tensor([-1, -1])) == ()
