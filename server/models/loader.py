@@ -104,7 +104,10 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
     steps = ["config", "weights", "tokenizer", "save"]
     try:
         with tqdm(total=len(steps), desc=f"converting {gguf.name}", disable=not progress) as bar:
-            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            # local_files_only: the GGUF is on disk, and the tokenizer config records this flag,
+            # which the family digest covers: left to the environment (HF_HUB_OFFLINE), two
+            # conversions of one file would make two families
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
             bar.update()
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)[
@@ -112,7 +115,7 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
             ]
             _load_checked(model, tensors)
             bar.update()
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
             if not getattr(tokenizer, "chat_template", None):
                 raise ModelLoadError(f"{gguf.name} carries no chat template")
             bar.update()
