@@ -24,7 +24,9 @@ torch.Size([1, 64])
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,16 @@ from server.engine.projection import BaseProjection, Projection
 from server.engine.rope import Rope, apply_rope
 from server.engine.weights import LayerWeights, ModelWeights
 from server.kv.storage import KVSpec, KVStorage
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Rows that enter a step at ``layer`` from their ``hidden`` state there [n, hidden_size],
+    after the rows already running; ``plan`` lays out the step from that layer on."""
+
+    layer: int
+    hidden: torch.Tensor
+    plan: StepPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,27 +78,39 @@ class LlamaForward:
     @torch.inference_mode()
     def __call__(
         self, plan: StepPlan, kv: KVStorage, *, projection: Projection | None = None,
-        first_layer: int = 0, hidden: torch.Tensor | None = None,
+        first_layer: int = 0, hidden: torch.Tensor | None = None, joins: Sequence[Join] = (),
     ) -> torch.Tensor:
         """Run one step: writes the step's K/V into ``kv``; returns logits [rows, vocab] (fp32
-        if the weights are fp32, else their dtype) for ``plan.logit_rows``.
+        if the weights are fp32, else their dtype) for the last plan's ``logit_rows``.
 
         ``projection`` overrides the forward's own for this step (e.g. a per-row LoRA one).
         ``first_layer`` / ``hidden``: start at that layer from these input rows [T, hidden]
         instead of from the tokens (a layer-split module recomputing its top layers from the
-        base's hidden state); the K/V of the layers below are not touched. The input of every
-        layer in ``kv.hidden`` is kept at the step's slots.
+        base's hidden state); the K/V of the layers below are not touched. ``joins``: rows that
+        enter later, each at its layer (ascending, above ``first_layer``) from its own hidden
+        state, appended after the rows running so far; from there on the step follows the
+        join's plan (its rows: the earlier ones, then the joined ones). The input of every layer
+        in ``kv.hidden`` is kept at the step's slots.
         """
         w, s = self.weights, self.weights.shape
         if kv.spec != self.kv_spec():
             raise ValueError(f"KV storage {kv.spec} does not fit this model ({self.kv_spec()})")
-        self.check_positions(plan)
         if (first_layer > 0) != (hidden is not None) or not 0 <= first_layer < s.num_layers:
             raise ValueError(f"start at layer {first_layer} of {s.num_layers} needs that layer's input, and only then")
+        layers = [first_layer, *(j.layer for j in joins)]
+        if any(a >= b for a, b in pairwise(layers)) or layers[-1] >= s.num_layers:
+            raise ValueError(f"rows join at layers {layers[1:]}: each above the last, below {s.num_layers}")
+        for p in (plan, *(j.plan for j in joins)):
+            self.check_positions(p)
         project = projection or self.projection
         cos, sin = self.rope.tables(plan.positions, w.dtype)
         h = F.embedding(plan.token_ids, w.embed) if hidden is None else hidden.to(w.dtype)
+        pending = list(joins)
         for i in range(first_layer, s.num_layers):
+            if pending and pending[0].layer == i:
+                join = pending.pop(0)
+                plan, h = join.plan, torch.cat([h, join.hidden.to(w.dtype)])
+                cos, sin = self.rope.tables(plan.positions, w.dtype)
             keep = kv.hidden.get(i)
             if keep is not None:
                 keep.index_copy_(0, plan.write_slots, h)

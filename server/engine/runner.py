@@ -4,14 +4,17 @@
 
     work items ──▶ group by weights ──▶ plan_step (batch.py) ──▶ forward ──▶ last-row logits
                    the base's call: the base's rows, every LoRA row (its deltas per row,
-                                    from the invocation point on), full modules' rows < IP
+                                    from the invocation point on), full modules' rows < IP,
+                                    and layer-split modules' filled prefix rows, which join
+                                    it at their split S (layers S.. only)
                    a full module's own call: its rows at or after the IP
-                   a fill call per split layer S: layer-split modules' prefix rows whose
-                                    lower layers the family computed: layers S.. only
 
 A layer-split LoRA module (``recompute_layers = k``, split ``S = L - k``) takes its deltas on
-its rows before the IP too, from layer S on. In a fill call those rows copy the family block's
-K/V of layers < S and start at layer S from the hidden state the base kept there.
+its rows before the IP too, from layer S on. Its prefix rows whose lower layers the family
+computed are *filled*: they copy the family block's K/V of layers < S and enter the base's
+call at layer S from the hidden state the base kept there, after the rows running from layer 0
+(the rest of the same request's chunk among them). So one step is one forward of the base's
+weights, whatever the splits.
 
 A shared prefix (leading consecutive blocks of a shared context, already written) is read once
 for every request of the step that starts with it. The runner counts the rows it computes with
@@ -21,13 +24,14 @@ the base's and with the modules' weights (``EngineStats``).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from server.engine.batch import Chunk, SharedPrefix, plan_step
 from server.engine.config import EngineStats
-from server.engine.forward import LlamaForward
+from server.engine.forward import Join, LlamaForward
 from server.engine.graphs import DecodeGraphs
 from server.engine.kinds import kind_of
 from server.engine.modules import DecodeModule
@@ -76,63 +80,95 @@ class ModelRunner:
 
     def run(self, work: list[WorkItem]) -> list[torch.Tensor]:
         """Logits of the last row of each work item, in order."""
-        calls: dict[str | int | None, list[int]] = {}  # None: the base's; a name: a full module's; S: a fill
+        calls: dict[str | None, list[int]] = {}  # None: the base's; a name: a full module's own
         for i, (seq, start, _) in enumerate(work):
             own = kind_of(seq.module.kind).own_forward and start >= seq.invocation_point
-            key: str | int | None = seq.module.name if own else None
-            if start < seq.fill_end:
-                assert seq.split_layer is not None
-                key = seq.split_layer
-            calls.setdefault(key, []).append(i)
+            calls.setdefault(seq.module.name if own else None, []).append(i)
         out: list[torch.Tensor | None] = [None] * len(work)
         for key, idx in calls.items():
             items = [work[i] for i in idx]
-            plan = plan_step([self._chunk(*it) for it in items], block_size=self.block_size, device=self.device)
-            if isinstance(key, int):
-                logits = self._fill(plan, items, key)
-            elif key is None:
-                logits = self._base_call(plan, items)
+            if key is None:
+                parts = self._parts(items)
+                logits = self.to_host(self._base_call(parts))
+                last: dict[int, tuple[int, torch.Tensor]] = {}  # item -> its last part's start, logits
+                for part, row in zip(parts, logits, strict=True):
+                    if part.start >= last.get(part.item, (-1, row))[0]:
+                        last[part.item] = (part.start, row)
+                rows = [last[j][1] for j in range(len(items))]
             else:
-                logits = self._own[key](plan, self.kv)
-            logits = self.to_host(logits)
-            for i, row in zip(idx, logits, strict=True):
+                parts = [_Part(j, *it, 0) for j, it in enumerate(items)]
+                plan = plan_step([self._chunk(*it) for it in items], block_size=self.block_size, device=self.device)
+                rows = list(self.to_host(self._own[key](plan, self.kv)))
+            for i, row in zip(idx, rows, strict=True):
                 out[i] = row
-            self._count_rows(items, call="fill" if isinstance(key, int) else "base" if key is None else "own")
+            self._count_rows(parts, own=key is not None)
         return out  # type: ignore[return-value]  # every index was filled by its call
 
-    def _base_call(self, plan: Any, items: list[WorkItem]) -> torch.Tensor:
-        if self.graphs is not None:
-            lora = any(seq.module_index >= 0 for seq, _, _ in items)
-            rows = torch.tensor([seq.module_index for seq, _, _ in items]) if lora else None
-            logits = self.graphs.run(plan, rows, lambda: self._eager(plan, items))  # None: not graphable
-            if logits is not None:
-                return logits
-        return self._eager(plan, items)
+    @staticmethod
+    def _parts(items: list[WorkItem]) -> list[_Part]:
+        """The base call's rows in forward order: positions a fill covers join at their split
+        (the deeper, the later), the others start at layer 0. An item cut in two (its fill, then
+        the rest) has its rows from layer 0 first; its logits are those of its later positions."""
+        parts = []
+        for j, (seq, start, n) in enumerate(items):
+            if start < seq.fill_end:
+                assert seq.split_layer is not None
+                filled = min(n, seq.fill_end - start)
+                parts.append(_Part(j, seq, start, filled, seq.split_layer))
+                start, n = start + filled, n - filled
+            if n:
+                parts.append(_Part(j, seq, start, n, 0))
+        return sorted(parts, key=lambda p: p.layer)  # stable: an item's tail (layer 0) before its fill
 
-    def _eager(self, plan: Any, items: list[WorkItem]) -> torch.Tensor:
-        return self.forward(plan, self.kv, projection=self._projection(items))
+    def _base_call(self, parts: list[_Part]) -> torch.Tensor:
+        """One forward for the base, every LoRA row and every fill; logits of each part's last row."""
+        chunks = [self._chunk(p.seq, p.start, p.n) for p in parts]
+        layers = sorted({p.layer for p in parts})
+        if layers == [0]:
+            plan = plan_step(chunks, block_size=self.block_size, device=self.device)
+            if self.graphs is not None:
+                lora = any(p.seq.module_index >= 0 for p in parts)
+                rows = torch.tensor([p.seq.module_index for p in parts]) if lora else None
+                logits = self.graphs.run(plan, rows, lambda: self._eager(plan, parts))  # None: not graphable
+                if logits is not None:
+                    return logits
+            return self._eager(plan, parts)
+        stages = []  # (layer, the plan from it on, its joining rows' source slots)
+        for layer in layers:
+            upto = sum(1 for p in parts if p.layer <= layer)
+            plan = plan_step(chunks[:upto], block_size=self.block_size, device=self.device)
+            stages.append((layer, plan, self._copy_lower(layer, [p for p in parts if p.layer == layer])))
+        first, plan, src = stages[0]
+        joins = [Join(layer, self.kv.hidden[layer].index_select(0, s), p) for layer, p, s in stages[1:]]
+        return self.forward(plan, self.kv, projection=self._projection(parts), first_layer=first,
+                            hidden=None if first == 0 else self.kv.hidden[first].index_select(0, src),
+                            joins=joins)
+
+    def _eager(self, plan: Any, parts: list[_Part]) -> torch.Tensor:
+        return self.forward(plan, self.kv, projection=self._projection(parts))
 
     @staticmethod
     def to_host(logits: torch.Tensor) -> torch.Tensor:
         """One copy per call from the device: sampling, stop rules and grammars run on the host."""
         return logits.cpu()
 
-    def _fill(self, plan: Any, items: list[WorkItem], split: int) -> torch.Tensor:
-        """Layer-split rows over the family's blocks: copy their K/V below ``split``, then run
-        layers ``split..`` from the hidden state the base kept there."""
+    def _copy_lower(self, split: int, parts: list[_Part]) -> torch.Tensor:
+        """Filled rows: copy the family blocks' K/V of layers below ``split`` into the rows' own
+        slots; returns the family slots they read (where the base kept their hidden state)."""
+        if not split:
+            return torch.empty(0, dtype=torch.long)
         src, dst = [], []
-        for seq, start, n in items:
+        for p in parts:
+            seq = p.seq
             family = self.kv.slots(seq.fill_blocks)
-            src.append(family[start - seq.fill_start : start + n - seq.fill_start])
+            src.append(family[p.start - seq.fill_start : p.start + p.n - seq.fill_start])
             assert seq.slot_table is not None
-            dst.append(seq.slot_table[start : start + n])
+            dst.append(seq.slot_table[p.start : p.start + p.n])
         s, d = torch.cat(src).to(self.device), torch.cat(dst).to(self.device)
         for layer in range(split):
             self.kv.k[layer].index_copy_(1, d, self.kv.k[layer].index_select(1, s))
             self.kv.v[layer].index_copy_(1, d, self.kv.v[layer].index_select(1, s))
-        rows = torch.cat([torch.full((n,), seq.module_index) for seq, _, n in items])
-        return self.forward(plan, self.kv, projection=RowDeltaProjection(rows, self.lora, self.device),
-                            first_layer=split, hidden=self.kv.hidden[split].index_select(0, s))
+        return s
 
     def _chunk(self, seq: Sequence, start: int, n: int) -> Chunk:
         bs = self.block_size
@@ -143,33 +179,37 @@ class ModelRunner:
         assert seq.slot_table is not None
         return Chunk(seq.tokens[start : start + n], start, seq.slot_table[run * bs : start + n], prefix)
 
-    def _projection(self, items: list[WorkItem]) -> Projection | None:
-        if not any(seq.module_index >= 0 for seq, _, _ in items):
+    def _projection(self, parts: list[_Part]) -> Projection | None:
+        """Each row's module, layer by layer: LoRA rows from the IP on; a split module's prefix
+        rows from its split on (a filled part runs only from there)."""
+        if not any(p.seq.module_index >= 0 for p in parts):
             return None
-        splits = sorted({seq.split_layer for seq, start, _ in items
-                         if seq.split_layer is not None and start < seq.invocation_point})
-        parts: list[tuple[int, Projection]] = []
-        for depth in [0, *splits]:  # the rows' modules from this layer on
+        splits = {p.seq.split_layer for p in parts if p.seq.split_layer is not None and p.start < p.seq.invocation_point}
+        lowest = min(p.layer for p in parts)
+        out: list[tuple[int, Projection]] = []
+        for depth in sorted({lowest, *(s for s in splits if s > lowest)}):  # the rows' modules from this layer on
             rows = []
-            for seq, start, n in items:
+            for p in parts:
+                seq = p.seq
+                if p.layer > depth:
+                    continue  # not running yet
                 if seq.module_index < 0:
-                    rows.append(torch.full((n,), -1))
+                    rows.append(torch.full((p.n,), -1))
                     continue
-                pos = torch.arange(start, start + n)
-                own = pos >= seq.invocation_point
+                own = torch.arange(p.start, p.start + p.n) >= seq.invocation_point
                 if seq.split_layer is not None and depth >= seq.split_layer:
                     own = torch.ones_like(own)  # its prefix rows too, from its split on
                 rows.append(torch.where(own, seq.module_index, -1))
-            parts.append((depth, RowDeltaProjection(torch.cat(rows), self.lora, self.device)))
-        return parts[0][1] if len(parts) == 1 else LayerSplitProjection(tuple(parts))
+            out.append((depth, RowDeltaProjection(torch.cat(rows), self.lora, self.device)))
+        return out[0][1] if len(out) == 1 else LayerSplitProjection(tuple(out))
 
-    def _count_rows(self, items: list[WorkItem], *, call: str) -> None:
-        base_call = call == "base"
-        for seq, start, n in items:
-            if call == "fill":  # the module's top layers only; the family computed the rest
+    def _count_rows(self, parts: list[_Part], *, own: bool) -> None:
+        for p in parts:
+            seq, start, n = p.seq, p.start, p.n
+            if p.layer:  # a fill: the module's top layers only; the family computed the rest
                 self.stats.recomputed_prefix_tokens += n
-                self.stats.split_saved_layer_rows += n * (seq.split_layer or 0)
-            if not base_call:
+                self.stats.split_saved_layer_rows += n * p.layer
+            if own or p.layer:
                 module = n  # a module's own call, or a fill
             elif seq.module_index >= 0:  # delta rows from the IP on
                 module = max(0, start + n - max(start, seq.invocation_point))
@@ -183,3 +223,15 @@ class ModelRunner:
                     self.stats.exported_prefill_tokens += n
             else:
                 self.stats.decode_tokens += n
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Positions ``[start, start + n)`` of work item ``item`` (``seq``), entering the step's
+    forward at ``layer`` (a fill: the module's split; else 0)."""
+
+    item: int
+    seq: Sequence
+    start: int
+    n: int
+    layer: int

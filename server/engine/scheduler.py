@@ -18,8 +18,9 @@ invocation point, so base rows and module rows never share a chunk. No request i
 A layer-split module (``recompute_layers``) keeps its prefix blocks in its own namespace. Those
 it misses are *filled* where the family's cache holds the same blocks, computed here (so their
 hidden state at the split is kept): admission holds those family blocks (waiting for them if
-this engine is still computing them), the runner copies their lower layers' K/V and recomputes
-only the top layers from their hidden state, and their chunks stop at the end of the fill.
+this engine is still computing them), and the runner copies their lower layers' K/V and
+recomputes only the top layers from their hidden state (those rows join the step's forward at
+the split; the rest of the chunk runs from layer 0 in the same forward).
 Prefix blocks the family's cache lacks, the module computes itself, base weights below the
 split, its own above: the same KV, at the price of the lower layers.
 """
@@ -223,8 +224,6 @@ class Scheduler:
             n = min(budget, seq.prompt_len - start)
             if kind_of(seq.module.kind).own_forward and start < seq.invocation_point:
                 n = min(n, seq.invocation_point - start)  # base rows and module rows run apart
-            if start < seq.fill_end:
-                n = min(n, seq.fill_end - start)  # filled rows start at the split: a call of their own
             work.append((seq, start, n))
             budget -= n
         return work

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from server.engine.batch import Chunk, plan_step
-from server.engine.forward import LlamaForward
+from server.engine.forward import Join, LlamaForward
 from server.engine.rope import Rope, UnsupportedRopeError
 from server.engine.weights import ModelShape, UnsupportedModelError, can_pack
 from server.kv.storage import KVStorage
@@ -121,3 +121,57 @@ def test_bf16_packed_linears_compute_what_plain_linears_compute(
     a, b = logits(packed), logits(plain)
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+
+
+def _joins_setup():
+    """A tiny 3-layer model and a pool that keeps the input of layers 1 and 2; sequence A (20
+    tokens) prefilled at slots 0..19."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    from transformers import LlamaForCausalLM
+
+    fwd = LlamaForward.from_hf(LlamaForCausalLM(cfg).eval())
+    kv = KVStorage(fwd.kv_spec(), num_blocks=8, block_size=16, hidden_depths=(1, 2), hidden_width=32)
+    a = torch.randint(0, 64, (20,))
+    fwd(plan_step([Chunk(a, 0, torch.arange(20))], block_size=16), kv)
+    return fwd, kv
+
+
+def _copy_lower(kv, src, dst, split):
+    for layer in range(split):
+        kv.k[layer][:, dst] = kv.k[layer][:, src]
+        kv.v[layer][:, dst] = kv.v[layer][:, src]
+
+
+def test_rows_that_join_at_their_layer_compute_what_calls_of_their_own_compute():
+    """B (10 new tokens, from layer 0) and C (A's first 16 positions again, in other slots, from
+    A's hidden state at layer 2) in one forward, C joining at layer 2, give the logits and K/V
+    of B's call and C's call run one after the other."""
+    b_ids = torch.randint(0, 64, (10,))
+    c_src, c_dst = torch.arange(16), torch.arange(64, 80)
+    b = Chunk(b_ids, 0, torch.arange(32, 42))
+    c = Chunk(torch.zeros(16, dtype=torch.long), 0, c_dst)  # its ids are never read: it starts at layer 2
+
+    fwd, kv = _joins_setup()
+    _copy_lower(kv, c_src, c_dst, 2)
+    apart = torch.cat([fwd(plan_step([b], block_size=16), kv),
+                       fwd(plan_step([c], block_size=16), kv, first_layer=2, hidden=kv.hidden[2][c_src])])
+    kept = [t[:, 32:80].clone() for t in (*kv.k, *kv.v)]
+
+    fwd, kv = _joins_setup()
+    _copy_lower(kv, c_src, c_dst, 2)
+    joined = fwd(plan_step([b], block_size=16), kv,
+                 joins=[Join(2, kv.hidden[2][c_src].clone(), plan_step([b, c], block_size=16))])
+    assert torch.allclose(joined, apart, atol=1e-5)
+    for before, now in zip(kept, (*kv.k, *kv.v), strict=True):
+        assert torch.allclose(now[:, 32:80], before, atol=1e-5)
+
+
+@pytest.mark.parametrize("first, layers", [(0, [0]), (2, [1]), (1, [2, 2]), (0, [3])])
+def test_joins_above_the_start_in_ascending_order_only(first, layers):
+    fwd, kv = _joins_setup()
+    plan = plan_step([Chunk([1, 2], 0, torch.arange(40, 42))], block_size=16)
+    joins = [Join(layer, torch.zeros(1, 32), plan) for layer in layers]
+    with pytest.raises(ValueError, match="join at layers"):
+        fwd(plan, kv, first_layer=first, hidden=None if first == 0 else torch.zeros(2, 32), joins=joins)

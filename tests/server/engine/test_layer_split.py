@@ -154,3 +154,55 @@ def test_concurrent_agents_wait_for_the_family_prefill_and_fill_from_it(tiny_mod
     assert core.stats.recomputed_prefix_tokens == ip // 16 * 16
     want = reference(tiny_model_dir, split_dirs[1], 1, list(prompt.token_ids) + list(FORCED[:-1]), ip, len(FORCED))
     assert torch.allclose(torch.stack(logits["b"]), want, atol=ATOL)
+
+
+@pytest.mark.parametrize("step_tokens", [4096, 40], ids=["one-step", "chunked"])
+def test_fills_of_two_depths_and_a_plain_agent_run_in_one_forward_per_step(
+    tiny_model_dir, smollm2_tokenizer, make_lora, split_dirs, step_tokens
+):
+    """After the context is pinned, a plain agent and split agents of two depths sent together:
+    every step runs one base forward, the filled rows join it at their split and the rest of
+    each prompt runs from layer 0 in that same forward, so each agent's first token comes in
+    the same step. ``chunked``: steps of 40 tokens cut the fills anywhere, the last chunk of a
+    fill running on past its end. Each agent still equals its training-time reference."""
+    plain = make_lora("plain", seed=3)
+    core, logits = engine(tiny_model_dir, {"plain": plain, "m1": split_dirs[1], "m2": split_dirs[2]},
+                          max_step_tokens=step_tokens, max_prefill_step_tokens=step_tokens)
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    core.add_context("ctx", prompt.token_ids[: prompt.context_len], ttl=60)
+    drain(core)
+    calls: list = []  # each base forward's joins
+
+    class Counting:
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def __call__(self, *args, **kwargs):
+            calls.append(kwargs.get("joins", ()))
+            return self.real(*args, **kwargs)
+
+    core.forward = Counting(core.forward)
+    for rid in ("plain", "m1", "m2"):
+        core.add_request(rid, rid, prompt, forced())
+    first_token_step, step = {}, 0
+    while core.has_work:
+        step += 1
+        before = len(calls)
+        for e in core.step():
+            if e.token_id is not None:
+                first_token_step.setdefault(e.request_id, step)
+        assert len(calls) == before + 1  # one forward per step, fills included
+    ip = prompt.invocation_point(core.modules["m1"].placement)
+    full = ip // 16 * 16
+    if step_tokens > 3 * len(prompt.token_ids):  # nobody waits a step for its fill
+        assert set(first_token_step.values()) == {1}, first_token_step
+    assert {j.layer for joins in calls for j in joins} | {0} >= {1, 2}  # rows joined at the splits
+    assert core.stats.recomputed_prefix_tokens == 2 * full
+    assert core.stats.split_saved_layer_rows == full * (3 - 1) + full * (3 - 2)
+    tokens = list(prompt.token_ids) + list(FORCED[:-1])
+    for rid, module_dir, k in (("plain", plain, 0), ("m1", split_dirs[1], 1), ("m2", split_dirs[2], 2)):
+        want = reference(tiny_model_dir, module_dir, k, tokens, ip, len(FORCED))
+        assert torch.allclose(torch.stack(logits[rid]), want, atol=ATOL), (rid, (torch.stack(logits[rid]) - want).abs().max())
