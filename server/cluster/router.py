@@ -318,7 +318,10 @@ class ClusterBackend:
         bs = self.facts.block_size
         prefix = list(prompt.token_ids[: positions.shared_prefix_len(prompt, card, block_size=bs)])
         lossy = self._lossy_codec()
-        prefill = self._alive("prefill") if prefix else []
+        # a layer-split agent fills its prefix only from family blocks computed where it runs (the
+        # base's hidden state at its split stays there): blocks moved from a prefill worker would
+        # spare it no layer, so its prefix is never offloaded
+        prefill = self._alive("prefill") if prefix and not card.recompute_layers else []
         looked = await asyncio.gather(*(self._lookup(m, prefix, salt) for m in candidates + prefill))
         cached = dict(zip([m.id for m in candidates + prefill], looked, strict=True))
         snapshot = ClusterSnapshot(

@@ -223,3 +223,55 @@ def test_every_call_to_a_worker_carries_the_cluster_token():
     assert {r.url.path for r in seen} >= {"/internal/info", "/internal/generate"}
     assert all(r.headers.get(HEADER) == SECRET.http_token() for r in seen)
     assert not any(SECRET._value.decode() in str(r.headers) for r in seen)
+
+
+@pytest.mark.parametrize("agent, k", [("coder", 0), ("splitter", 8)])
+def test_a_layer_split_agents_prefix_is_never_moved_from_a_prefill_worker(agent, k):
+    """Blocks moved from a prefill worker carry no hidden state, so a split agent could not fill
+    from them: the router keeps its long prefix on the decode worker, where a plain agent's is
+    offloaded (the control)."""
+    splitter = AgentInfo(name="splitter", kind="lora", family="fam", shares_prefill=True, placement="turn",
+                         recompute_layers=8)
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        calls.append(f"{request.url.host}{path}")
+        if path == "/internal/lookup":
+            return httpx.Response(200, json={"cached_tokens": 0})
+        if path == "/internal/kv/expect":
+            body = json.loads(request.content)
+            return httpx.Response(200, json={"transfer_id": body["transfer_id"], "first_block": 0,
+                                             "num_blocks": len(body["token_ids"]) // 16,
+                                             "address": {"tcp": "tcp://d:1", "shm": "shm://d:1"}})
+        if path == "/internal/prefill":
+            body = json.loads(request.content)
+            return httpx.Response(200, json={"transfer_id": body["transfer_id"], "blocks": 32, "bytes": 1,
+                                             "seconds": 0.1, "link_seconds": 0.1, "computed_tokens": 512,
+                                             "cached_tokens": 0})
+        if path == "/internal/generate":
+            return httpx.Response(200, content=lines(TOKEN, END))
+        return httpx.Response(404)
+
+    agents = (CODER, splitter)
+    members = [Member(0, "http://p", info("http://p", role="prefill", agents=()), alive=True),
+               Member(1, "http://d", info("http://d", agents=agents), alive=True)]
+    cards = {"coder": AgentCard("coder", "lora", "fam", True),
+             "splitter": AgentCard("splitter", "lora", "fam", True, recompute_layers=8)}
+    b = ClusterBackend(EngineFacts("fam", cards, None, 16, 4096), members, RouterConfig(health_interval=3600),
+                       secret=SECRET, transport=httpx.MockTransport(handler))
+    prompt = Prompt(tuple(range(1, 601)), 512, 512, 600)  # 512 tokens of context: 32 full blocks
+
+    async def go() -> list:
+        await b.start()
+        try:
+            return [ev async for ev in await b.submit("r1", agent, prompt, SamplingParams(max_tokens=2))]
+        finally:
+            await b.stop()
+
+    events = asyncio.run(go())
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    assert ("d/internal/kv/expect" in calls) == (k == 0), calls  # the transfer starts with it
+    if k:
+        assert "p/internal/prefill" not in calls
+    assert "d/internal/generate" in calls
