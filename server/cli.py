@@ -222,6 +222,10 @@ def worker(
     kv_cache: str = typer.Option("auto", help=_KV_HELP), max_step_tokens: int = typer.Option(512),
     gpu_memory_utilization: float = typer.Option(0.9, help=_UTIL_HELP),
     chunk_blocks: int = typer.Option(32, help="KV blocks per transferred chunk"),
+    keep_hidden_layers: str | None = typer.Option(
+        None, help="prefill workers: layers whose input to keep and send with the KV, e.g. 8,15 (the splits "
+                   "of the decode workers' layer-split agents, so they fill from the blocks; serve "
+                   "--disaggregated sets it)"),
     kv_port: int = typer.Option(0, help="decode workers: port of the KV receiver (0: any)"),
     join: str | None = typer.Option(None, help="router URL to join (a worker on another host)"),
     advertise: str | None = typer.Option(None, help="URL the router reaches this worker at (default: host:port)"),
@@ -239,8 +243,12 @@ def worker(
         raise typer.BadParameter("--role is prefill or decode")
     _check_device(device)
     config = config_from_options(locals())
+    try:
+        keep = tuple(sorted({int(x) for x in keep_hidden_layers.split(",") if x.strip()})) if keep_hidden_layers else ()
+    except ValueError:
+        raise typer.BadParameter(f"--keep-hidden-layers takes layer numbers like 8,15, got {keep_hidden_layers!r}") from None
     config = type(config)(**{**{f: getattr(config, f) for f in type(config).__dataclass_fields__},
-                             "max_step_tokens": max_step_tokens})
+                             "max_step_tokens": max_step_tokens, "keep_hidden": keep})
     serve_worker(config, role=role, chunk_blocks=chunk_blocks,  # type: ignore[arg-type]
                  cpus=[int(c) for c in cpus.split(",")] if cpus else (), join=join, kv_port=kv_port,
                  advertise=advertise, secret=_secret(cluster_secret_file))

@@ -43,6 +43,7 @@ class ServerConfig:
     max_pinned_contexts: int = 64  # per tenant: shared contexts pinned at once (beyond: 429)
     max_pinned_share: float | None = None  # per tenant: the fraction of the KV pool its pinned contexts
     # may hold; None: the whole pool with one tenant, half of it with several API keys
+    keep_hidden: tuple[int, ...] = ()  # a prefill worker: layers whose input it keeps for split agents
 
     def __post_init__(self) -> None:
         if self.default_max_tokens <= 0 or self.context_ttl <= 0 or self.max_context_ttl < self.context_ttl:
@@ -69,5 +70,5 @@ class ServerConfig:
             block_size=self.block_size, kv_cache_bytes=self.kv_cache_bytes,
             memory_utilization=self.memory_utilization,
             max_step_tokens=self.max_step_tokens, max_running=self.max_running,
-            max_waiting=self.max_waiting, step_timeout=self.step_timeout,
+            max_waiting=self.max_waiting, step_timeout=self.step_timeout, keep_hidden=self.keep_hidden,
         )

@@ -8,6 +8,10 @@ in the header); the codecs themselves, by name, are in :mod:`server.cluster.code
                  | K scales fp16 [L, H, num_blocks, D]   one per block and channel (KIVI's K)
                  | V scales fp16 [L, H, T]               one per token             (KIVI's V)
 
+A chunk may also carry hidden states (the input of the layers where layer-split modules start
+recomputing), appended raw after the codec's sections, one ``[T, width]`` section per layer in
+ascending order, in their own dtype (header ``hidden``: depths, width, dtype).
+
 This module checks the chunk and the header, lays the sections out, and carries the crc32;
 the codec writes and reads the sections. A codec is named by its registered name (a string;
 :class:`Codec` spells the built-in ones).
@@ -29,8 +33,8 @@ from __future__ import annotations
 
 import sys
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -83,6 +87,10 @@ class KVChunk:
     """Same shape as ``k``; ``num_tokens = num_blocks * block_size``."""
     wait: Callable[[], None] | None = None
     """Call before reading ``k``/``v``: their copy from a device may still be on its way."""
+    hidden: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    """Layer -> its input hidden state at these tokens, ``[num_tokens, hidden_size]``: what a
+    layer-split module recomputes its top layers from. Sent raw, in its dtype, whatever the
+    codec of the K/V."""
 
     @property
     def num_tokens(self) -> int:
@@ -136,9 +144,16 @@ def encode(chunk: KVChunk, codec: str, *, block_size: int) -> Frame:
     blocks = tokens // block_size
     shape = KVShape(layers, heads, blocks, block_size, dim)
     sections = _layout(impl, shape)
-    payload = bytearray(sum(length for _, length in sections.values()))
+    kv_bytes = sum(length for _, length in sections.values())
+    hidden = _hidden_header(chunk.hidden, tokens)
+    payload = bytearray(kv_bytes + _hidden_bytes(hidden, tokens))
     buf = torch.frombuffer(payload, dtype=torch.uint8)  # torch writes straight into the payload
     impl.encode(k.cpu(), v.cpu(), shape, _views(buf, sections))
+    offset = kv_bytes
+    for depth in hidden.get("depths", []):
+        raw = chunk.hidden[depth].cpu().contiguous().view(torch.uint8).reshape(-1)
+        buf[offset : offset + raw.numel()] = raw
+        offset += raw.numel()
     header: dict[str, Any] = {
         "kind": "kv",
         "first_block": chunk.first_block,
@@ -151,7 +166,51 @@ def encode(chunk: KVChunk, codec: str, *, block_size: int) -> Frame:
         "sections": sections,
         "crc32": zlib.crc32(payload),
     }
+    if hidden:
+        header["hidden"] = hidden
     return Frame(header, payload)
+
+
+_HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _hidden_header(hidden: Mapping[int, torch.Tensor], tokens: int) -> dict[str, Any]:
+    """The ``hidden`` header field of a chunk's hidden states ({} when it carries none)."""
+    if not hidden:
+        return {}
+    depths = sorted(hidden)
+    first = hidden[depths[0]]
+    dtype = str(first.dtype).removeprefix("torch.")
+    if dtype not in _HIDDEN_DTYPES or first.dim() != 2 or first.shape[0] != tokens:
+        raise ValueError(f"hidden states must be [{tokens}, width] of {', '.join(_HIDDEN_DTYPES)}; "
+                         f"got {tuple(first.shape)} {first.dtype}")
+    if any(d < 1 or hidden[d].shape != first.shape or hidden[d].dtype != first.dtype for d in depths):
+        raise ValueError("every hidden state needs a layer >= 1 and the same shape and dtype")
+    return {"depths": depths, "width": int(first.shape[1]), "dtype": dtype}
+
+
+def _hidden_bytes(hidden: dict[str, Any], tokens: int) -> int:
+    if not hidden:
+        return 0
+    itemsize = _HIDDEN_DTYPES[hidden["dtype"]].itemsize
+    return len(hidden["depths"]) * tokens * hidden["width"] * itemsize
+
+
+def _check_hidden(header: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The frame's ``hidden`` field, checked ({} when absent)."""
+    hidden = header.get("hidden")
+    if hidden is None:
+        return {}
+    if not isinstance(hidden, dict) or set(hidden) != {"depths", "width", "dtype"}:
+        raise ProtocolError(f"kv header field 'hidden' must hold depths, width and dtype, got {hidden!r}")
+    depths, width, dtype = hidden["depths"], hidden["width"], hidden["dtype"]
+    if (not isinstance(depths, list) or not depths or any(type(d) is not int for d in depths)
+            or depths != sorted(set(depths)) or not 1 <= depths[0] <= depths[-1] < layers):
+        raise ProtocolError(f"hidden depths must be distinct ascending layers in 1..{layers - 1}, got {depths!r}")
+    if type(width) is not int or width < 1 or dtype not in _HIDDEN_DTYPES:
+        raise ProtocolError(f"hidden width must be a positive integer and dtype one of {sorted(_HIDDEN_DTYPES)}, "
+                            f"got {width!r} and {dtype!r}")
+    return hidden
 
 
 def _int_field(header: dict[str, Any], name: str, minimum: int) -> int:
@@ -208,7 +267,9 @@ def decode(frame: Frame, *, dtype: torch.dtype) -> KVChunk:
             f"kv header sections {header.get('sections')!r} do not match a {what}: "
             f"expected {sections}"
         )
-    expected = sum(length for _, length in sections.values())
+    kv_bytes = sum(length for _, length in sections.values())
+    hidden = _check_hidden(header, layers)
+    expected = kv_bytes + _hidden_bytes(hidden, blocks * block)
     if len(payload) != expected:
         raise ProtocolError(f"a {what} has {expected} bytes, the frame carries {len(payload)}")
     if not dtype.is_floating_point:
@@ -217,4 +278,10 @@ def decode(frame: Frame, *, dtype: torch.dtype) -> KVChunk:
         payload = memoryview(bytearray(payload))
     buf = torch.frombuffer(payload, dtype=torch.uint8)
     k, v = impl.decode(_views(buf, sections), shape, dtype)
-    return KVChunk(first_block=first, k=k, v=v)
+    states, offset, tokens = {}, kv_bytes, blocks * block
+    for depth in hidden.get("depths", []):
+        n = tokens * hidden["width"] * _HIDDEN_DTYPES[hidden["dtype"]].itemsize
+        raw = buf[offset : offset + n].view(_HIDDEN_DTYPES[hidden["dtype"]]).reshape(tokens, hidden["width"])
+        states[depth] = raw.to(dtype=dtype, copy=True)
+        offset += n
+    return KVChunk(first_block=first, k=k, v=v, hidden=states)

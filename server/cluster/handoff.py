@@ -20,6 +20,11 @@ runs on the event loop and only ever sees copies::
 
 Blocks that crossed a lossy codec are imported into the family's lossy namespace:
 only requests submitted with the same ``prefix_codec`` read them.
+
+Blocks can bring the base's hidden state at the layers the decode side keeps (its layer-split
+modules' splits): the prefill worker keeps it too (``--keep-hidden-layers``) and gathers it
+with the K/V; the decode side then lets split requests fill from those blocks, as from blocks
+it computed itself, even while they travel.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class Inbound:
     block_ids: list[int]  # registered blocks, in chain order from first_block
     pin: Pin | None  # holds the already-cached head of the chain until the transfer ends
     prefix_codec: str | None
+    hidden: bool = False  # every chunk brings the hidden state at each depth this engine keeps
     written: int = 0  # blocks written and committed, in order
     closed: bool = False
 
@@ -57,10 +63,14 @@ class Inbound:
     @classmethod
     def expect(
         cls, core: EngineCore, transfer_id: str, token_ids: list[int], *, salt: str, prefix_codec: str | None,
-        ttl: float,
+        ttl: float, hidden: bool = False,
     ) -> Inbound:
         """Register the full blocks of ``token_ids`` that this engine lacks as being computed
-        elsewhere. ``ttl`` bounds how long the cached head stays pinned for the transfer."""
+        elsewhere. ``ttl`` bounds how long the cached head stays pinned for the transfer.
+
+        ``hidden``: the sender sends the hidden state at every depth this engine keeps, so the
+        blocks can fill layer-split requests (exact codecs only: a lossy one's blocks land in a
+        namespace no fill reads)."""
         bs = core.config.block_size
         if not token_ids or len(token_ids) % bs:
             raise InvalidRequest(f"a transferred prefix is whole blocks of {bs} tokens, got {len(token_ids)}")
@@ -77,7 +87,10 @@ class Inbound:
         n = core.pool.register(match, fresh, token_ids, layout, computed_by=core.base_name)
         core.pool.release(fresh[n:])  # someone else registered them meanwhile: not ours to fill
         core.scheduler.mark_imported(fresh[:n])  # their first reader counts them as imported
-        return cls(transfer_id, len(head), fresh[:n], pin, prefix_codec)
+        hidden = hidden and bool(core.kv.hidden) and prefix_codec is None
+        if hidden:  # split requests arriving meanwhile may plan to fill from them
+            core.scheduler.hidden_incoming.update(fresh[:n])
+        return cls(transfer_id, len(head), fresh[:n], pin, prefix_codec, hidden)
 
     def write(self, core: EngineCore, chunk: KVChunk) -> int:
         """Copy a chunk's K/V into its blocks and commit them; returns how many blocks it wrote.
@@ -97,13 +110,27 @@ class Inbound:
         want = (spec.num_layers, spec.num_kv_heads, n * bs, spec.head_dim)
         if tuple(chunk.k.shape) != want or tuple(chunk.v.shape) != want:
             raise InvalidRequest(f"transfer {self.transfer_id}: KV shape {tuple(chunk.k.shape)}, expected {want}")
+        missing = sorted(set(core.kv.hidden) - set(chunk.hidden)) if self.hidden else []
+        if missing:
+            raise InvalidRequest(f"transfer {self.transfer_id}: the hidden state of layers {missing} was promised, "
+                                 f"the chunk carries {sorted(chunk.hidden)}")
         ids = self.block_ids[self.written : self.written + n]
         slots = core.kv.slots(ids).to(core.kv.device)
         k, v = chunk.k.to(device=core.kv.device, dtype=spec.dtype), chunk.v.to(device=core.kv.device, dtype=spec.dtype)
         for layer in range(spec.num_layers):
             core.kv.k[layer].index_copy_(1, slots, k[layer])
             core.kv.v[layer].index_copy_(1, slots, v[layer])
+        if self.hidden:
+            for depth, states in core.kv.hidden.items():
+                got = chunk.hidden[depth]
+                if tuple(got.shape) != (n * bs, states.shape[1]):
+                    raise InvalidRequest(f"transfer {self.transfer_id}: hidden state {tuple(got.shape)} at layer "
+                                         f"{depth}, expected {(n * bs, states.shape[1])}")
+                states.index_copy_(0, slots, got.to(device=states.device, dtype=states.dtype))
         core.pool.commit(ids)
+        if self.hidden:
+            core.scheduler.hidden_incoming.difference_update(ids)
+            core.scheduler.hidden_kept.update((b, core.pool.block(b).generation) for b in ids)
         self.written += n
         return n
 
@@ -116,6 +143,7 @@ class Inbound:
         if self.closed:
             return
         self.closed = True
+        core.scheduler.hidden_incoming.difference_update(self.block_ids)
         for bid in self.block_ids[self.written :]:
             if core.pool.block(bid).state is BlockState.COMPUTING:
                 core.pool.abort(bid)  # waiting requests re-plan and compute it themselves
@@ -138,6 +166,7 @@ class Outbound:
     seq: Sequence
     queue: asyncio.Queue[KVChunk | BaseException | None]
     loop: asyncio.AbstractEventLoop
+    hidden_depths: tuple[int, ...] = ()  # layers whose input goes with the K/V
     sent: int = 0  # next block (chain index) to gather
     done: bool = False
     computed_tokens: int = 0
@@ -146,7 +175,7 @@ class Outbound:
     @classmethod
     def start(
         cls, core: EngineCore, transfer_id: str, token_ids: list[int], *, salt: str, first_block: int,
-        chunk_blocks: int, ttl: float, loop: asyncio.AbstractEventLoop,
+        chunk_blocks: int, ttl: float, loop: asyncio.AbstractEventLoop, hidden_depths: tuple[int, ...] = (),
     ) -> Outbound:
         bs = core.config.block_size
         if not token_ids or len(token_ids) % bs:
@@ -154,8 +183,13 @@ class Outbound:
         n = len(token_ids) // bs
         if not 0 <= first_block < n:
             raise InvalidRequest(f"first_block {first_block} outside the prefix's {n} blocks")
+        lacking = sorted(set(hidden_depths) - set(core.kv.hidden))
+        if lacking:
+            raise InvalidRequest(f"this engine keeps no hidden state at layers {lacking} (it keeps "
+                                 f"{sorted(core.kv.hidden) or 'none'}: start the prefill worker with --keep-hidden-layers)")
         seq = core.add_context(transfer_id, token_ids, ttl=ttl, salt=salt, exported=True)
-        return cls(transfer_id, first_block, n, max(1, chunk_blocks), seq, asyncio.Queue(), loop, sent=first_block)
+        return cls(transfer_id, first_block, n, max(1, chunk_blocks), seq, asyncio.Queue(), loop,
+                   tuple(sorted(hidden_depths)), sent=first_block)
 
     def on_step(self, core: EngineCore) -> None:
         """Step hook: queue the blocks committed since the last call (engine thread)."""
@@ -175,7 +209,7 @@ class Outbound:
             ids, ready = self.seq.blocks, self._written(core)
         while self.sent < ready:
             n = min(self.chunk_blocks, ready - self.sent)
-            self._put(gather(core, ids[self.sent : self.sent + n], self.sent))
+            self._put(gather(core, ids[self.sent : self.sent + n], self.sent, self.hidden_depths))
             self.sent += n
         if pin is not None:
             self.cached_tokens = self.seq.cached_tokens
@@ -199,17 +233,19 @@ class Outbound:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-def gather(core: EngineCore, block_ids: list[int], first_block: int) -> KVChunk:
-    """A host copy of the K/V of ``block_ids`` (chain positions ``first_block ..``), every layer
-    (from a device: on its way, see :func:`~server.engine.device.to_host`)."""
+def gather(core: EngineCore, block_ids: list[int], first_block: int, hidden_depths: tuple[int, ...] = ()) -> KVChunk:
+    """A host copy of the K/V of ``block_ids`` (chain positions ``first_block ..``), every layer,
+    and the hidden state of ``hidden_depths`` (from a device: on its way, see
+    :func:`~server.engine.device.to_host`)."""
     first, n = block_ids[0], len(block_ids)
+    slots = core.kv.slots(block_ids).to(core.kv.device)
+    hidden = [core.kv.hidden[d].index_select(0, slots) for d in hidden_depths]
     if block_ids == list(range(first, first + n)):  # one strided view per layer
         views = [core.kv.block_view(layer, first, n) for layer in range(core.kv.spec.num_layers)]
         k = torch.stack([kk for kk, _ in views])
         v = torch.stack([vv for _, vv in views])
     else:
-        slots = core.kv.slots(block_ids).to(core.kv.device)
         k = torch.stack([t.index_select(1, slots) for t in core.kv.k])
         v = torch.stack([t.index_select(1, slots) for t in core.kv.v])
-    (k, v), wait = to_host(k, v)
-    return KVChunk(first_block, k, v, wait)
+    (k, v, *hidden), wait = to_host(k, v, *hidden)
+    return KVChunk(first_block, k, v, wait, dict(zip(hidden_depths, hidden, strict=True)))

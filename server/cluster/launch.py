@@ -52,6 +52,7 @@ class WorkerSpec:
     port: int = 0  # 0: a free port
     device: str | None = None  # --device of the worker (None: the launcher's own)
     memory_share: float = 1.0  # of the memory utilization: workers sharing one device split it
+    keep_hidden: tuple[int, ...] = ()  # a prefill worker: layers whose input it keeps and sends (layer split)
 
 
 def parse_devices(text: str | None, option: str) -> tuple[str, ...]:
@@ -74,10 +75,11 @@ def parse_devices(text: str | None, option: str) -> tuple[str, ...]:
 
 def plan_workers(
     prefill: int, decode: int, modules: Mapping[str, Path], *, threads: int | None = None, cores: int | None = None,
-    prefill_devices: Sequence[str] = (), decode_devices: Sequence[str] = (),
+    prefill_devices: Sequence[str] = (), decode_devices: Sequence[str] = (), keep_hidden: tuple[int, ...] = (),
 ) -> list[WorkerSpec]:
     """Prefill workers, then decode workers with the agents' modules dealt round-robin (every
     decode worker also serves the base). Threads and cores are shared out without overlap.
+    Prefill workers keep the hidden state of ``keep_hidden`` (see :func:`split_depths`).
 
     Devices: a role given CUDA device indices deals them round-robin to its workers; each worker
     sees only its own device (``CUDA_VISIBLE_DEVICES``) and runs on it as ``cuda``. Workers that
@@ -112,10 +114,27 @@ def plan_workers(
                                     env={"CUDA_VISIBLE_DEVICES": visible}))
         else:
             specs.append(WorkerSpec(role=role, modules=mods, threads=each, cpus=cpus))
+        if role == "prefill":
+            specs[-1] = replace(specs[-1], keep_hidden=keep_hidden)
     sharing: dict[str | None, int] = {}
     for s in specs:
         sharing[s.env.get("CUDA_VISIBLE_DEVICES")] = sharing.get(s.env.get("CUDA_VISIBLE_DEVICES"), 0) + 1
     return [replace(s, memory_share=1.0 / sharing[s.env.get("CUDA_VISIBLE_DEVICES")]) for s in specs]
+
+
+def split_depths(modules: Mapping[str, Path], model_dir: Path | None) -> tuple[int, ...]:
+    """The layers layer-split modules start their own computation at (``recompute_layers`` in
+    their manifests): where a prefill worker keeps the base's hidden state for them."""
+    from transformers import AutoConfig
+
+    from server.models.loader import default_model_dir
+    from server.modules.manifest import Manifest
+
+    ks = {m.recompute_layers for m in map(Manifest.read, modules.values()) if m is not None and m.recompute_layers}
+    if not ks:
+        return ()
+    layers = int(AutoConfig.from_pretrained(model_dir or default_model_dir()).num_hidden_layers)
+    return tuple(sorted(layers - k for k in ks if 0 < k < layers))
 
 
 @dataclass(slots=True)
@@ -154,6 +173,8 @@ class LocalCluster:
                 args += ["--module", f"{name}={path}"]
             if spec.cpus:
                 args += ["--cpus", ",".join(map(str, spec.cpus))]
+            if spec.keep_hidden:
+                args += ["--keep-hidden-layers", ",".join(map(str, spec.keep_hidden))]
             if join:
                 args += ["--join", join]
             self._procs.append(_Process(spec, url, args))
@@ -304,9 +325,10 @@ def serve_disaggregated(
 
     configure_logging(config.log_level)
     specs = plan_workers(prefill, decode, config.modules, threads=threads, prefill_devices=prefill_devices,
-                         decode_devices=decode_devices)
+                         decode_devices=decode_devices, keep_hidden=split_depths(config.modules, config.model_dir))
     for i, s in enumerate(specs):
         log.info("plan", extra={"event": "plan", "worker": i, "role": s.role, "agents": ",".join(s.modules) or "base",
+                                "keep_hidden": ",".join(map(str, s.keep_hidden)) or "none",
                                 "threads": s.threads, "cpus": ",".join(map(str, s.cpus)) or "shared",
                                 "device": s.device or config.device,
                                 "cuda_visible_devices": s.env.get("CUDA_VISIBLE_DEVICES", "all")})

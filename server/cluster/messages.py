@@ -62,6 +62,7 @@ class WorkerInfo(BaseModel):
     kv_address: dict[str, str] = Field(default_factory=dict)  # transport kind -> address (decode)
     threads: int
     pid: int
+    hidden_depths: list[int] = Field(default_factory=list)  # layers whose input its pool keeps (layer split)
 
 
 class LinkFigures(BaseModel):
@@ -137,6 +138,7 @@ class Expect(BaseModel):
     salt: str = ""
     prefix_codec: str | None = None
     timeout: float = 30.0
+    hidden: bool = False  # the blocks come with the hidden state at every depth this worker keeps
 
 
 class Expected(BaseModel):
@@ -158,6 +160,7 @@ class Prefill(BaseModel):
     first_block: int
     destination: str  # tcp://host:port or shm://host:port
     codec: str
+    hidden_depths: list[int] = Field(default_factory=list)  # send the input of these layers too
 
 
 class Prefilled(BaseModel):

@@ -318,10 +318,13 @@ class ClusterBackend:
         bs = self.facts.block_size
         prefix = list(prompt.token_ids[: positions.shared_prefix_len(prompt, card, block_size=bs)])
         lossy = self._lossy_codec()
-        # a layer-split agent fills its prefix only from family blocks computed where it runs (the
-        # base's hidden state at its split stays there): blocks moved from a prefill worker would
-        # spare it no layer, so its prefix is never offloaded
-        prefill = self._alive("prefill") if prefix and not card.recompute_layers else []
+        prefill = self._alive("prefill") if prefix else []
+        if card.recompute_layers:  # a layer-split agent fills its prefix from blocks that carry the
+            # base's hidden state at its split: only prefill workers that keep it for every
+            # candidate may compute its prefix (else blocks moved would spare it no layer)
+            need = {d for m in candidates if m.info is not None for d in m.info.hidden_depths}
+            prefill = [m for m in prefill if m.info is not None and need <= set(m.info.hidden_depths)
+                       and lossy is None]
         looked = await asyncio.gather(*(self._lookup(m, prefix, salt) for m in candidates + prefill))
         cached = dict(zip([m.id for m in candidates + prefill], looked, strict=True))
         snapshot = ClusterSnapshot(
@@ -352,15 +355,19 @@ class ClusterBackend:
         (the transfer's task; None: ``dest`` lacks none)."""
         tid = f"{request_id}/kv-{uuid.uuid4().hex[:8]}"
         timeout = self.config.transfer_timeout
+        # the hidden state the destination keeps goes with the blocks when the source keeps it too
+        # (exact codecs only): its layer-split agents then fill from them
+        assert dest.info is not None and source.info is not None
+        depths = dest.info.hidden_depths if lossy is None and set(dest.info.hidden_depths) <= set(
+            source.info.hidden_depths) else []
         expected = Expected.model_validate(await self._post(dest, "/internal/kv/expect", Expect(
-            transfer_id=tid, token_ids=prefix, salt=salt, prefix_codec=lossy, timeout=timeout)))
+            transfer_id=tid, token_ids=prefix, salt=salt, prefix_codec=lossy, timeout=timeout, hidden=bool(depths))))
         if expected.num_blocks == 0:
             return None
-        assert dest.info is not None
         order = Prefill(transfer_id=tid, token_ids=prefix[: (expected.first_block + expected.num_blocks) * self.facts.block_size],
                         salt=salt, first_block=expected.first_block,
                         destination=expected.address[self._transport_between(source, dest)],
-                        codec=self.config.codec)
+                        codec=self.config.codec, hidden_depths=depths)
         nbytes = expected.num_blocks * self.facts.block_size * self._kv_bytes_per_token()
         task = asyncio.create_task(tracing.traced(
             "transfer", self._run_transfer(source, dest, order, decision.prefill.compute_tokens, nbytes),

@@ -167,7 +167,7 @@ class Worker:
             role=self.role, url=self.url, family=self.facts.family, agents=[c.info() for c in self.facts.agents.values()],
             block_size=self.facts.block_size, max_context=self.facts.max_context,
             kv_dtype=str(spec.dtype).removeprefix("torch."), kv_bytes_per_token=spec.bytes_per_token(),
-            kv_address=address, threads=self.threads, pid=os.getpid(),
+            kv_address=address, threads=self.threads, pid=os.getpid(), hidden_depths=sorted(self.engine.core.kv.hidden),
         )
 
     def _kv_address(self) -> dict[str, str]:
@@ -213,7 +213,7 @@ class Worker:
             raise InvalidRequest(f"transfer {body.transfer_id!r} is already expected")
         inbound = await self.engine.run(lambda core: Inbound.expect(
             core, body.transfer_id, body.token_ids, salt=body.salt, prefix_codec=body.prefix_codec,
-            ttl=body.timeout))
+            ttl=body.timeout, hidden=body.hidden))
         assert self.receiver is not None
         if inbound.num_blocks == 0:
             await self.engine.run(inbound.finish)
@@ -288,7 +288,7 @@ class Worker:
         start = time.monotonic()
         out = await self.engine.run(lambda core: Outbound.start(
             core, body.transfer_id, body.token_ids, salt=body.salt, first_block=body.first_block,
-            chunk_blocks=self.chunk_blocks, ttl=600.0, loop=loop))
+            chunk_blocks=self.chunk_blocks, ttl=600.0, loop=loop, hidden_depths=tuple(body.hidden_depths)))
         await self.engine.add_step_hook(out.on_step)
         sender = None
         blocks = 0

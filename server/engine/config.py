@@ -34,6 +34,9 @@ class EngineConfig:
     """Decode steps replayed from CUDA graphs (``server/engine/graphs.py``): ``auto`` (on a CUDA
     device, off elsewhere), ``off``, or ``padded`` (the padded steps without capture: tests)."""
     share_prefill: bool = True
+    keep_hidden: tuple[int, ...] = ()
+    """Layers whose input hidden state the pool keeps beyond those its own layer-split modules
+    need: a prefill worker's, for the split agents of the decode workers it sends KV to."""
     step_timeout: float = 60.0
     """Seconds one step may run before the watchdog of :class:`AsyncEngine` fails its requests
     and reports the engine degraded (vLLM's iteration timeout is 60 s too)."""

@@ -86,7 +86,8 @@ class EngineCore:
         self.device = forward.weights.device
         self.kv = KVStorage.from_budget(
             forward.kv_spec(), budget_bytes=self._kv_budget(forward, config), block_size=config.block_size,
-            hidden_depths=tuple(sorted({s for s in self.split_layers.values() if 0 < s < shape.num_layers})),
+            hidden_depths=tuple(sorted({s for s in self.split_layers.values() if 0 < s < shape.num_layers}
+                                       | set(config.keep_hidden))),  # a depth out of range: KVStorage refuses it
             hidden_width=shape.hidden_size, device=self.device,
         )
         self.pool = BlockPool(self.kv.num_blocks, config.block_size, bytes_per_block=self.kv.bytes_per_block)

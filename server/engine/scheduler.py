@@ -56,6 +56,7 @@ class Scheduler:
         self.imported: dict[int, int] = {}  # block -> its generation when imported, until first read
         self.hidden_kept: dict[int, int] = {}  # family block -> generation whose hidden state this engine wrote
         self.computing_here: set[int] = set()  # blocks a request here registered and has not written yet
+        self.hidden_incoming: set[int] = set()  # blocks on their way over a link with their hidden state
 
     @property
     def has_work(self) -> bool:
@@ -149,11 +150,11 @@ class Scheduler:
         return fam, end
 
     def has_hidden(self, block_id: int) -> bool:
-        """Whether a family block's hidden state was written here (computed here, not imported),
-        or will be (this engine is computing it)."""
+        """Whether a family block's hidden state was written here (computed here, or imported
+        with it), or will be (this engine is computing it, or it is on its way with it)."""
         b = self.pool.block(block_id)
         if b.state is BlockState.COMPUTING:
-            return block_id in self.computing_here
+            return block_id in self.computing_here or block_id in self.hidden_incoming
         return b.state is BlockState.READY and self.hidden_kept.get(block_id) == b.generation
 
     def fill_done(self, seq: Sequence) -> None:

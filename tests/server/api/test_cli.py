@@ -76,3 +76,8 @@ def test_devices_per_role_need_the_disaggregated_server() -> None:
     assert "need --disaggregated" in _usage_error("serve", "--device", "cpu", "--decode-devices", "1")
     err = _usage_error("serve", "--device", "cpu", "--disaggregated", "--decode-devices", "1,gpu")
     assert "--decode-devices takes CUDA device indices" in err, err
+
+
+def test_a_prefill_workers_hidden_layers_are_layer_numbers() -> None:
+    err = _usage_error("worker", "--role", "prefill", "--device", "cpu", "--keep-hidden-layers", "8,top")
+    assert "--keep-hidden-layers takes layer numbers like 8,15, got '8,top'" in err, err

@@ -423,3 +423,77 @@ def test_a_payload_whose_crc32_is_zero_is_accepted() -> None:
     offset, length = frame.header["sections"]["v"]
     assert back.v.numpy().tobytes() == bytes(payload[offset : offset + length])
     assert torch.equal(back.v.flatten()[:-1], chunk.v.flatten()[:-1])
+
+
+# ---- hidden states (the layer split) ---------------------------------------------------------
+
+
+def with_hidden(blocks: int, depths: tuple[int, ...] = (1,), dtype: torch.dtype = torch.bfloat16) -> KVChunk:
+    chunk = kv(blocks, dtype)
+    g = torch.Generator().manual_seed(7)
+    states = {d: torch.randn(blocks * BLOCK, 6, generator=g).to(dtype) * d for d in depths}
+    return KVChunk(chunk.first_block, chunk.k, chunk.v, hidden=states)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hidden_states_cross_raw_whatever_the_kv_codec(codec: Codec, dtype: torch.dtype) -> None:
+    chunk = with_hidden(3, depths=(1,), dtype=dtype)
+    frame = encode(chunk, codec, block_size=BLOCK)
+    assert frame.header["hidden"] == {"depths": [1], "width": 6, "dtype": str(dtype).removeprefix("torch.")}
+    plain = encode(kv(3, dtype), codec, block_size=BLOCK)
+    assert len(frame.payload) == len(plain.payload) + 3 * BLOCK * 6 * dtype.itemsize
+    back = decode(frame, dtype=dtype)
+    assert sorted(back.hidden) == [1] and torch.equal(back.hidden[1], chunk.hidden[1])
+    assert back.hidden[1].dtype == dtype
+    assert torch.equal(back.k, decode(plain, dtype=dtype).k)  # the K/V are decoded as without them
+
+
+def test_several_depths_keep_their_order_and_a_chunk_without_any_has_no_field() -> None:
+    k = torch.randn(4, HEADS, 2 * BLOCK, DIM)  # 4 layers: depths 1..3
+    states = {3: torch.randn(2 * BLOCK, 6), 1: torch.randn(2 * BLOCK, 6)}
+    frame = encode(KVChunk(0, k, -k, hidden=states), Codec.FP32, block_size=BLOCK)
+    assert frame.header["hidden"]["depths"] == [1, 3]
+    back = decode(frame, dtype=torch.float32)
+    assert sorted(back.hidden) == [1, 3] and all(torch.equal(back.hidden[d], states[d]) for d in states)
+    assert "hidden" not in encode(kv(2), Codec.FP32, block_size=BLOCK).header
+    assert decode(encode(kv(2), Codec.FP32, block_size=BLOCK), dtype=torch.float32).hidden == {}
+
+
+@pytest.mark.parametrize(
+    ("states", "message"),
+    [
+        ({1: torch.zeros(7, 6)}, "must be"),  # not the chunk's tokens
+        ({1: torch.zeros(8, 6, dtype=torch.int32)}, "must be"),
+        ({0: torch.zeros(8, 6)}, "layer >= 1"),
+        ({1: torch.zeros(8, 6), 2: torch.zeros(8, 5)}, "same shape"),
+    ],
+)
+def test_encode_refuses_hidden_states_that_do_not_fit_the_chunk(states: dict, message: str) -> None:
+    chunk = kv(2)
+    with pytest.raises(ValueError, match=message):
+        encode(KVChunk(0, chunk.k, chunk.v, hidden=states), Codec.FP32, block_size=BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "message"),
+    [
+        ({"depths": [1], "width": 6}, "depths, width and dtype"),
+        ("all", "depths, width and dtype"),
+        ({"depths": [], "width": 6, "dtype": "float32"}, "hidden depths"),
+        ({"depths": [0], "width": 6, "dtype": "float32"}, "hidden depths"),
+        ({"depths": [LAYERS], "width": 6, "dtype": "float32"}, "hidden depths"),
+        ({"depths": [1, 1], "width": 6, "dtype": "float32"}, "hidden depths"),
+        ({"depths": [True], "width": 6, "dtype": "float32"}, "hidden depths"),
+        ({"depths": [1], "width": 0, "dtype": "float32"}, "hidden width"),
+        ({"depths": [1], "width": 6.0, "dtype": "float32"}, "hidden width"),
+        ({"depths": [1], "width": 6, "dtype": "int8"}, "hidden width"),
+        ({"depths": [1], "width": 7, "dtype": "float32"}, "the frame carries"),  # payload too short for it
+        ({"depths": [1], "width": 6, "dtype": "bfloat16"}, "the frame carries"),
+    ],
+)
+def test_a_hidden_field_that_does_not_describe_the_payload_is_a_protocol_error(hidden, message: str) -> None:
+    frame = encode(with_hidden(2, dtype=torch.float32), Codec.FP32, block_size=BLOCK)
+    header = {**frame.header, "hidden": hidden}
+    with pytest.raises(ProtocolError, match=message):
+        decode(Frame(header, frame.payload), dtype=torch.float32)

@@ -225,27 +225,35 @@ def test_every_call_to_a_worker_carries_the_cluster_token():
     assert not any(SECRET._value.decode() in str(r.headers) for r in seen)
 
 
-@pytest.mark.parametrize("agent, k", [("coder", 0), ("splitter", 8)])
-def test_a_layer_split_agents_prefix_is_never_moved_from_a_prefill_worker(agent, k):
-    """Blocks moved from a prefill worker carry no hidden state, so a split agent could not fill
-    from them: the router keeps its long prefix on the decode worker, where a plain agent's is
-    offloaded (the control)."""
+@pytest.mark.parametrize(("agent", "prefill_keeps", "codec", "moved", "hidden"), [
+    ("coder", [], "fp32", True, []),  # no split anywhere on the way: the blocks alone
+    ("coder", [22], "fp32", True, [22]),  # the decode worker keeps layer 22's input for its split agent: it goes too
+    ("coder", [22], "bf16", True, []),  # lossy for fp32 KV: those blocks fill nobody
+    ("splitter", [], "fp32", False, None),  # the prefill worker cannot send it: a split agent's prefix stays put
+    ("splitter", [22], "bf16", False, None),
+    ("splitter", [22], "fp32", True, [22]),
+])
+def test_a_layer_split_agents_prefix_moves_only_with_its_hidden_state(agent, prefill_keeps, codec, moved, hidden):
+    """Blocks fill a split agent only with the base's hidden state at its split: the router
+    moves a split agent's prefix only from a prefill worker that keeps that state, and asks it
+    to send it; a plain agent's prefix moves either way, with the state where the source has it."""
     splitter = AgentInfo(name="splitter", kind="lora", family="fam", shares_prefill=True, placement="turn",
                          recompute_layers=8)
     calls: list[str] = []
+    bodies: dict[str, dict] = {}
 
     def handler(request: httpx.Request) -> httpx.Response:
         path = request.url.path
         calls.append(f"{request.url.host}{path}")
+        body = json.loads(request.content) if request.content else {}
+        bodies[path] = body
         if path == "/internal/lookup":
             return httpx.Response(200, json={"cached_tokens": 0})
         if path == "/internal/kv/expect":
-            body = json.loads(request.content)
             return httpx.Response(200, json={"transfer_id": body["transfer_id"], "first_block": 0,
                                              "num_blocks": len(body["token_ids"]) // 16,
                                              "address": {"tcp": "tcp://d:1", "shm": "shm://d:1"}})
         if path == "/internal/prefill":
-            body = json.loads(request.content)
             return httpx.Response(200, json={"transfer_id": body["transfer_id"], "blocks": 32, "bytes": 1,
                                              "seconds": 0.1, "link_seconds": 0.1, "computed_tokens": 512,
                                              "cached_tokens": 0})
@@ -253,25 +261,30 @@ def test_a_layer_split_agents_prefix_is_never_moved_from_a_prefill_worker(agent,
             return httpx.Response(200, content=lines(TOKEN, END))
         return httpx.Response(404)
 
-    agents = (CODER, splitter)
-    members = [Member(0, "http://p", info("http://p", role="prefill", agents=()), alive=True),
-               Member(1, "http://d", info("http://d", agents=agents), alive=True)]
+    p_info = info("http://p", role="prefill", agents=()).model_copy(update={"hidden_depths": prefill_keeps})
+    d_info = info("http://d", agents=(CODER, splitter)).model_copy(update={"hidden_depths": [22]})
+    members = [Member(0, "http://p", p_info, alive=True), Member(1, "http://d", d_info, alive=True)]
     cards = {"coder": AgentCard("coder", "lora", "fam", True),
              "splitter": AgentCard("splitter", "lora", "fam", True, recompute_layers=8)}
-    b = ClusterBackend(EngineFacts("fam", cards, None, 16, 4096), members, RouterConfig(health_interval=3600),
-                       secret=SECRET, transport=httpx.MockTransport(handler))
+    b = ClusterBackend(EngineFacts("fam", cards, None, 16, 4096), members,
+                       RouterConfig(health_interval=3600, codec=codec), secret=SECRET,
+                       transport=httpx.MockTransport(handler))
     prompt = Prompt(tuple(range(1, 601)), 512, 512, 600)  # 512 tokens of context: 32 full blocks
 
     async def go() -> list:
         await b.start()
         try:
-            return [ev async for ev in await b.submit("r1", agent, prompt, SamplingParams(max_tokens=2))]
+            events = [ev async for ev in await b.submit("r1", agent, prompt, SamplingParams(max_tokens=2))]
+            await asyncio.gather(*b._transfers)  # the transfer's order runs in the background
+            return events
         finally:
             await b.stop()
 
     events = asyncio.run(go())
-    assert events[-1].finish_reason is FinishReason.LENGTH
-    assert ("d/internal/kv/expect" in calls) == (k == 0), calls  # the transfer starts with it
-    if k:
+    assert events[-1].finish_reason is FinishReason.LENGTH and "d/internal/generate" in calls
+    assert ("d/internal/kv/expect" in calls) == moved, calls  # the transfer starts with it
+    if moved:
+        assert bodies["/internal/kv/expect"]["hidden"] == bool(hidden)
+        assert bodies["/internal/prefill"]["hidden_depths"] == hidden
+    else:
         assert "p/internal/prefill" not in calls
-    assert "d/internal/generate" in calls

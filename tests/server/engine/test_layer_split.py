@@ -206,3 +206,92 @@ def test_fills_of_two_depths_and_a_plain_agent_run_in_one_forward_per_step(
     for rid, module_dir, k in (("plain", plain, 0), ("m1", split_dirs[1], 1), ("m2", split_dirs[2], 2)):
         want = reference(tiny_model_dir, module_dir, k, tokens, ip, len(FORCED))
         assert torch.allclose(torch.stack(logits[rid]), want, atol=ATOL), (rid, (torch.stack(logits[rid]) - want).abs().max())
+
+
+def _export(prefill, prefix: list[int], depths: tuple[int, ...]) -> list:
+    """The chunks an Outbound queues for ``prefix`` on ``prefill`` (hidden states of ``depths``)."""
+    import asyncio
+
+    from server.cluster.handoff import Outbound
+
+    loop = asyncio.new_event_loop()
+    try:
+        out = Outbound.start(prefill, "t", prefix, salt="", first_block=0, chunk_blocks=2, ttl=60, loop=loop,
+                             hidden_depths=depths)
+        while not out.done:
+            prefill.step()
+            out.on_step(prefill)
+        loop.run_until_complete(asyncio.sleep(0))
+        items = []
+        while not out.queue.empty():
+            items.append(out.queue.get_nowait())
+        return [c for c in items if c is not None]
+    finally:
+        loop.close()
+
+
+def test_blocks_imported_with_their_hidden_state_fill_a_split_request(tiny_model_dir, smollm2_tokenizer, split_dirs):
+    """A prefill engine keeps the input of the split layer and sends it with the K/V (through the
+    wire format); the decode engine expects the blocks with it, so a split request admitted while
+    they travel plans its fill, waits, and then recomputes only its top layers over them: equal
+    to the training-time reference."""
+    from server.cluster.codec import Codec, decode, encode
+    from server.cluster.handoff import Inbound
+
+    prefill, _ = engine(tiny_model_dir, keep_hidden=(1,))
+    assert sorted(prefill.kv.hidden) == [1]
+    dec, logits = engine(tiny_model_dir, {"m": split_dirs[2]})
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    ip = prompt.invocation_point(dec.modules["m"].placement)
+    prefix = list(prompt.token_ids[: ip // 16 * 16])
+    chunks = _export(prefill, prefix, (1,))
+    assert all(sorted(c.hidden) == [1] for c in chunks)
+    inbound = Inbound.expect(dec, "t", prefix, salt="", prefix_codec=None, ttl=60, hidden=True)
+    assert dec.explain_split("m", prompt) == (2, len(prefix) // 16)  # fillable while on their way
+    dec.add_request("r", "m", prompt, forced())
+    dec.step()  # admitted: it waits for the blocks
+    assert dec.stats.prefill_tokens == 0
+    for chunk in chunks:
+        inbound.write(dec, decode(encode(chunk, Codec.FP32, block_size=16), dtype=dec.kv.spec.dtype))
+    inbound.finish(dec)
+    drain(dec)
+    assert dec.stats.recomputed_prefix_tokens == len(prefix)
+    assert dec.stats.split_saved_layer_rows == len(prefix) * 1
+    want = reference(tiny_model_dir, split_dirs[2], 2, list(prompt.token_ids) + list(FORCED[:-1]), ip, len(FORCED))
+    assert torch.allclose(torch.stack(logits["r"]), want, atol=ATOL)
+
+
+def test_a_chunk_without_the_promised_hidden_state_fails_its_transfer_and_the_request_computes(
+    tiny_model_dir, smollm2_tokenizer, split_dirs
+):
+    from server.cluster.handoff import Inbound
+    from server.engine.errors import InvalidRequest
+
+    prefill, _ = engine(tiny_model_dir)  # keeps no hidden state
+    dec, logits = engine(tiny_model_dir, {"m": split_dirs[2]})
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 5?"))
+    ip = prompt.invocation_point(dec.modules["m"].placement)
+    prefix = list(prompt.token_ids[: ip // 16 * 16])
+    chunks = _export(prefill, prefix, ())
+    with pytest.raises(InvalidRequest, match="no hidden state at layers"):
+        _export(prefill, prefix, (1,))
+    inbound = Inbound.expect(dec, "t", prefix, salt="", prefix_codec=None, ttl=60, hidden=True)
+    dec.add_request("r", "m", prompt, forced())
+    dec.step()
+    with pytest.raises(InvalidRequest, match=r"hidden state of layers \[1\] was promised"):
+        inbound.write(dec, chunks[0])
+    inbound.fail(dec)
+    drain(dec)
+    assert dec.stats.recomputed_prefix_tokens == 0 and dec.stats.replans == 1
+    want = reference(tiny_model_dir, split_dirs[2], 2, list(prompt.token_ids) + list(FORCED[:-1]), ip, len(FORCED))
+    assert torch.allclose(torch.stack(logits["r"]), want, atol=ATOL)
+
+
+def test_an_engine_keeps_the_hidden_state_it_is_asked_to_and_refuses_a_layer_it_lacks(tiny_model_dir, split_dirs):
+    plain, _ = engine(tiny_model_dir, keep_hidden=(1, 2))
+    assert sorted(plain.kv.hidden) == [1, 2]  # a prefill worker's, with no split module of its own
+    both, _ = engine(tiny_model_dir, {"m": split_dirs[1]}, keep_hidden=(1,))
+    assert sorted(both.kv.hidden) == [1, 2]  # its module's split and the asked one
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="hidden depths"):
+            engine(tiny_model_dir, keep_hidden=(bad,))
