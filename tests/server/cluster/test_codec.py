@@ -497,3 +497,22 @@ def test_a_hidden_field_that_does_not_describe_the_payload_is_a_protocol_error(h
     header = {**frame.header, "hidden": hidden}
     with pytest.raises(ProtocolError, match=message):
         decode(Frame(header, frame.payload), dtype=torch.float32)
+
+
+def test_hidden_states_decode_into_the_asked_dtype_and_own_their_memory() -> None:
+    chunk = with_hidden(2, dtype=torch.bfloat16)
+    frame = encode(chunk, Codec.BF16, block_size=BLOCK)
+    payload = bytearray(frame.payload)
+    back = decode(Frame(frame.header, payload), dtype=torch.float32)
+    assert back.hidden[1].dtype == torch.float32 and torch.equal(back.hidden[1], chunk.hidden[1].float())
+    same = decode(Frame(frame.header, payload), dtype=torch.bfloat16)  # no conversion: still a copy
+    payload[-1] ^= 0xFF  # the buffer the frame arrived in is reused: the decoded states must not move
+    assert torch.equal(back.hidden[1], chunk.hidden[1].float()) and torch.equal(same.hidden[1], chunk.hidden[1])
+
+
+def test_a_hidden_state_one_value_wide_crosses() -> None:
+    chunk = kv(1)
+    state = {1: torch.arange(BLOCK, dtype=torch.float32)[:, None]}
+    back = decode(encode(KVChunk(0, chunk.k, chunk.v, hidden=state), Codec.FP32, block_size=BLOCK),
+                  dtype=torch.float32)
+    assert torch.equal(back.hidden[1], state[1])
