@@ -110,10 +110,15 @@ class Inbound:
         want = (spec.num_layers, spec.num_kv_heads, n * bs, spec.head_dim)
         if tuple(chunk.k.shape) != want or tuple(chunk.v.shape) != want:
             raise InvalidRequest(f"transfer {self.transfer_id}: KV shape {tuple(chunk.k.shape)}, expected {want}")
-        missing = sorted(set(core.kv.hidden) - set(chunk.hidden)) if self.hidden else []
-        if missing:
-            raise InvalidRequest(f"transfer {self.transfer_id}: the hidden state of layers {missing} was promised, "
-                                 f"the chunk carries {sorted(chunk.hidden)}")
+        if self.hidden:
+            missing = sorted(set(core.kv.hidden) - set(chunk.hidden))
+            if missing:
+                raise InvalidRequest(f"transfer {self.transfer_id}: the hidden state of layers {missing} was "
+                                     f"promised, the chunk carries {sorted(chunk.hidden)}")
+            for depth, states in core.kv.hidden.items():
+                if tuple(chunk.hidden[depth].shape) != (n * bs, states.shape[1]):
+                    raise InvalidRequest(f"transfer {self.transfer_id}: hidden state {tuple(chunk.hidden[depth].shape)} "
+                                         f"at layer {depth}, expected {(n * bs, states.shape[1])}")
         ids = self.block_ids[self.written : self.written + n]
         slots = core.kv.slots(ids).to(core.kv.device)
         k, v = chunk.k.to(device=core.kv.device, dtype=spec.dtype), chunk.v.to(device=core.kv.device, dtype=spec.dtype)
@@ -122,11 +127,7 @@ class Inbound:
             core.kv.v[layer].index_copy_(1, slots, v[layer])
         if self.hidden:
             for depth, states in core.kv.hidden.items():
-                got = chunk.hidden[depth]
-                if tuple(got.shape) != (n * bs, states.shape[1]):
-                    raise InvalidRequest(f"transfer {self.transfer_id}: hidden state {tuple(got.shape)} at layer "
-                                         f"{depth}, expected {(n * bs, states.shape[1])}")
-                states.index_copy_(0, slots, got.to(device=states.device, dtype=states.dtype))
+                states.index_copy_(0, slots, chunk.hidden[depth].to(device=states.device, dtype=states.dtype))
         core.pool.commit(ids)
         if self.hidden:
             core.scheduler.hidden_incoming.difference_update(ids)
@@ -236,7 +237,7 @@ class Outbound:
 def gather(core: EngineCore, block_ids: list[int], first_block: int, hidden_depths: tuple[int, ...] = ()) -> KVChunk:
     """A host copy of the K/V of ``block_ids`` (chain positions ``first_block ..``), every layer,
     and the hidden state of ``hidden_depths`` (from a device: on its way, see
-    :func:`~server.engine.device.to_host`)."""
+    :func:`~server.engine.cuda.to_host`)."""
     first, n = block_ids[0], len(block_ids)
     slots = core.kv.slots(block_ids).to(core.kv.device)
     hidden = [core.kv.hidden[d].index_select(0, slots) for d in hidden_depths]

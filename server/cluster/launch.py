@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
-from server import tracing
+from server import positions, tracing
 from server.api.config import ServerConfig
 from server.cluster.auth import ClusterSecret
 from server.cluster.messages import Role
@@ -134,7 +134,8 @@ def split_depths(modules: Mapping[str, Path], model_dir: Path | None) -> tuple[i
     if not ks:
         return ()
     layers = int(AutoConfig.from_pretrained(model_dir or default_model_dir()).num_hidden_layers)
-    return tuple(sorted(layers - k for k in ks if 0 < k < layers))
+    splits = {positions.split_layer(positions.Facts(shares_prefill=True, recompute_layers=k), layers) for k in ks}
+    return tuple(sorted(s for s in splits if s > 0))  # k = L: a private prefill, nothing to keep
 
 
 @dataclass(slots=True)

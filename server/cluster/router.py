@@ -319,12 +319,9 @@ class ClusterBackend:
         prefix = list(prompt.token_ids[: positions.shared_prefix_len(prompt, card, block_size=bs)])
         lossy = self._lossy_codec()
         prefill = self._alive("prefill") if prefix else []
-        if card.recompute_layers:  # a layer-split agent fills its prefix from blocks that carry the
-            # base's hidden state at its split: only prefill workers that keep it for every
-            # candidate may compute its prefix (else blocks moved would spare it no layer)
-            need = {d for m in candidates if m.info is not None for d in m.info.hidden_depths}
-            prefill = [m for m in prefill if m.info is not None and need <= set(m.info.hidden_depths)
-                       and lossy is None]
+        if card.recompute_layers:  # a layer-split agent fills its prefix only from blocks that carry
+            # the base's hidden state at its split: blocks moved without it would spare it no layer
+            prefill = [m for m in prefill if all(self._sends_hidden(m, d, lossy) for d in candidates)]
         looked = await asyncio.gather(*(self._lookup(m, prefix, salt) for m in candidates + prefill))
         cached = dict(zip([m.id for m in candidates + prefill], looked, strict=True))
         snapshot = ClusterSnapshot(
@@ -355,11 +352,8 @@ class ClusterBackend:
         (the transfer's task; None: ``dest`` lacks none)."""
         tid = f"{request_id}/kv-{uuid.uuid4().hex[:8]}"
         timeout = self.config.transfer_timeout
-        # the hidden state the destination keeps goes with the blocks when the source keeps it too
-        # (exact codecs only): its layer-split agents then fill from them
-        assert dest.info is not None and source.info is not None
-        depths = dest.info.hidden_depths if lossy is None and set(dest.info.hidden_depths) <= set(
-            source.info.hidden_depths) else []
+        assert dest.info is not None
+        depths = dest.info.hidden_depths if self._sends_hidden(source, dest, lossy) else []
         expected = Expected.model_validate(await self._post(dest, "/internal/kv/expect", Expect(
             transfer_id=tid, token_ids=prefix, salt=salt, prefix_codec=lossy, timeout=timeout, hidden=bool(depths))))
         if expected.num_blocks == 0:
@@ -403,6 +397,14 @@ class ClusterBackend:
         finally:
             source.queued_tokens -= tokens
             source.queued_bytes -= nbytes
+
+    @staticmethod
+    def _sends_hidden(source: Member, dest: Member, lossy: str | None) -> bool:
+        """Whether blocks ``source`` sends to ``dest`` can bring the hidden state of every layer
+        ``dest`` keeps (its layer-split agents then fill from them): ``source`` keeps those
+        layers too, and the codec is exact (a lossy codec's blocks fill nobody)."""
+        return (lossy is None and source.info is not None and dest.info is not None
+                and set(dest.info.hidden_depths) <= set(source.info.hidden_depths))
 
     def _transport_between(self, source: Member, dest: Member) -> str:
         if self.config.transport != "auto":

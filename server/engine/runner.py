@@ -89,12 +89,10 @@ class ModelRunner:
             items = [work[i] for i in idx]
             if key is None:
                 parts = self._parts(items)
-                logits = self.to_host(self._base_call(parts))
-                last: dict[int, tuple[int, torch.Tensor]] = {}  # item -> its last part's start, logits
-                for part, row in zip(parts, logits, strict=True):
-                    if part.start >= last.get(part.item, (-1, row))[0]:
-                        last[part.item] = (part.start, row)
-                rows = [last[j][1] for j in range(len(items))]
+                ends = [start + n for _, start, n in items]
+                last = {p.item: row for p, row in zip(parts, self.to_host(self._base_call(parts)), strict=True)
+                        if p.start + p.n == ends[p.item]}  # the part that ends its item
+                rows = [last[j] for j in range(len(items))]
             else:
                 parts = [_Part(j, *it, 0) for j, it in enumerate(items)]
                 plan = plan_step([self._chunk(*it) for it in items], block_size=self.block_size, device=self.device)
