@@ -28,6 +28,11 @@ class EngineConfig:
     """The budget of a step in which nothing decodes (a chunk then stalls nobody): bigger chunks
     prefill faster (2,048 tokens, default model, 2 threads: 0.72–0.78 s in chunks of 1,024 or
     2,048 against 0.84–0.92 s in chunks of 512). Never below ``max_step_tokens``."""
+    prefill_tail_tokens: int = 128
+    """In a step in which nothing decodes, a prompt whose rest exceeds the budget by at most
+    this many tokens is finished in that step instead of leaving a short chunk for the next: a
+    step reads every weight once whatever its size (default model, 2 threads: a 64-token step
+    took 67 ms, the same 64 tokens inside a 2,048-token step about 22 ms). 0: never."""
     max_running: int = 64
     max_waiting: int = 1024
     decode_graphs: str = "auto"
@@ -46,6 +51,8 @@ class EngineConfig:
             raise ValueError("block_size, max_step_tokens and max_running must be positive")
         if self.max_prefill_step_tokens <= 0:
             raise ValueError("max_prefill_step_tokens must be positive")
+        if self.prefill_tail_tokens < 0:
+            raise ValueError("prefill_tail_tokens must be 0 or more")
         if self.decode_graphs not in ("auto", "off", "padded"):
             raise ValueError(f"decode_graphs is auto, off or padded, got {self.decode_graphs!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

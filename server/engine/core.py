@@ -114,7 +114,7 @@ class EngineCore:
         return kv_pool_bytes(
             w.device, requested=config.kv_cache_bytes, utilization=config.memory_utilization,
             workspace=step_workspace_bytes(
-                tokens=max(config.max_prefill_step_tokens, config.max_step_tokens),
+                tokens=max(config.max_prefill_step_tokens + config.prefill_tail_tokens, config.max_step_tokens),
                 rows=config.max_running + 1, hidden=w.shape.hidden_size,
                 intermediate=w.layers[0].gate_up.weight.shape[0] // 2,
                 qkv=w.shape.q_size + 2 * w.shape.kv_size, vocab=w.shape.vocab_size,

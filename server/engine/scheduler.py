@@ -11,7 +11,8 @@ It owns the queues and the KV reservations; it never runs the model::
        └── re-plan: a block it waited for was abandoned; start over from a fresh match
 
 Per step: one token for every decoding request first, then prefill chunks in arrival order
-within ``max_step_tokens`` (chunked prefill; ``max_prefill_step_tokens`` when nothing decodes).
+within ``max_step_tokens`` (chunked prefill; ``max_prefill_step_tokens`` when nothing decodes,
+and then a prompt's rest of at most ``prefill_tail_tokens`` past it joins the step).
 A module whose rows run in their own forward (a full fine-tune) has its chunk cut at the
 invocation point, so base rows and module rows never share a chunk. No request is preempted: admission reserves all it will need.
 
@@ -216,13 +217,16 @@ class Scheduler:
             if seq.phase is Phase.DECODE:
                 work.append((seq, len(seq.tokens) - 1, 1))
                 budget -= 1
-        if not work:  # nothing decodes: a bigger chunk stalls nobody
+        tail = 0
+        if not work:  # nothing decodes: a bigger chunk stalls nobody, nor does a short tail
             budget = max(budget, self.config.max_prefill_step_tokens)
+            tail = self.config.prefill_tail_tokens
         for seq in self.running:
             if seq.phase is not Phase.PREFILL or seq.pending or budget <= 0:
                 continue
             start = seq.num_computed
-            n = min(budget, seq.prompt_len - start)
+            rest = seq.prompt_len - start
+            n = rest if rest <= budget + tail else budget
             if kind_of(seq.module.kind).own_forward and start < seq.invocation_point:
                 n = min(n, seq.invocation_point - start)  # base rows and module rows run apart
             work.append((seq, start, n))

@@ -331,9 +331,43 @@ def test_a_prefill_is_chunked_while_others_decode_and_runs_whole_when_none_do(ti
     before = core.stats.prefill_tokens
     core.step()
     assert core.stats.prefill_tokens - before == 15  # beside a decode: 16 tokens in all
-    core, _ = engine(tiny_model_dir, max_step_tokens=16, max_prefill_step_tokens=8)  # never below max_step_tokens
+    core, _ = engine(tiny_model_dir, max_step_tokens=16, max_prefill_step_tokens=8,  # never below max_step_tokens
+                     prefill_tail_tokens=0)
     core.add_request("c", "base", prompt, SamplingParams(temperature=0, max_tokens=2))
     core.step()
     assert core.stats.prefill_tokens == 16
     with pytest.raises(ValueError, match="max_prefill_step_tokens"):
         EngineConfig(max_prefill_step_tokens=0)
+
+
+def test_a_short_tail_of_a_prompt_joins_its_step_when_nothing_decodes(tiny_model_dir, smollm2_tokenizer):
+    """With nothing decoding, a prompt whose rest exceeds the step's budget by at most
+    ``prefill_tail_tokens`` is finished in that step; one tail token more and it is chunked at
+    the budget. While a request decodes, ``max_step_tokens`` holds whatever the tail."""
+    prompt = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Go."))
+    n = len(prompt.token_ids)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for tail, want in ((n - 64, n), (n - 64 - 1, 64)):
+        core, logits = engine(tiny_model_dir, max_step_tokens=16, max_prefill_step_tokens=64, prefill_tail_tokens=tail)
+        core.add_request("a", "base", prompt, params)
+        core.step()
+        assert core.stats.prefill_tokens == want, tail
+        assert core.stats.steps == 1
+    merged, chunked = engine(tiny_model_dir, max_step_tokens=16, max_prefill_step_tokens=64, prefill_tail_tokens=n), \
+        engine(tiny_model_dir, max_step_tokens=16, max_prefill_step_tokens=64, prefill_tail_tokens=0)
+    outs = []
+    for core, logits in (merged, chunked):
+        core.add_request("a", "base", prompt, params)
+        ev = drain(core)["a"][-1]
+        outs.append((ev.usage.completion_tokens, torch.stack(logits["a"])))
+        core.add_request("b", "base", prompt, params)  # decodes while "c" prefills: 16 tokens a step
+        core.step()
+        other = [{"role": "user", "content": "Other: " + "a b c d. " * 30}]
+        core.add_request("c", "base", chat_prompt(smollm2_tokenizer, other, turn("Go.")), params)
+        before = core.stats.prefill_tokens
+        core.step()
+        assert core.stats.prefill_tokens - before == 15
+    assert outs[0][0] == outs[1][0] == 4
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)  # one step or two: the same logits
+    with pytest.raises(ValueError, match="prefill_tail_tokens"):
+        EngineConfig(prefill_tail_tokens=-1)
