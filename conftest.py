@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import doctest
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,11 @@ from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
 from tests import smollm2
 from tests.notebook import LOOP, CellEvaluator, doctest_names, top_level_await
+
+# Serving processes the suite starts would each start a background build of the fused
+# elementwise kernels for the model shape they serve (server/engine/elementwise.py); the tests
+# of that module build them where they are the subject.
+os.environ.setdefault("AGENTSHARE_FUSED", "off")
 
 TINY_LLAMA: dict[str, Any] = dict(
     model_type="llama",

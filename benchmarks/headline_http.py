@@ -23,6 +23,10 @@ context, b streamed requests of 64 tokens: b·63 / (last finish − the moment a
     python benchmarks/headline_http.py --json benchmarks/recorded/headline_http.json
     python benchmarks/headline_http.py --quick --json /tmp/headline_quick.json   # smoke: 1 rep, 512 tokens
     python benchmarks/headline_http.py --skip-vllm      # agentshare only
+    AGENTSHARE_FUSED=off python benchmarks/headline_http.py --skip-vllm   # the engine without fused kernels
+
+agentshare's fused elementwise kernels (``server/engine/elementwise.py``) are built first, once
+per machine, as a serving process would build them in the background.
 
 vLLM runs from the ``vllm`` extra of this environment (``pip install -e '.[vllm]'``, then
 ``pip uninstall -y torchvision torchaudio torchcodec``), or from any interpreter that has
@@ -377,6 +381,14 @@ def main() -> None:
         cmd += [a for k in keys for a in ("--api-key", k)]
         url = f"http://127.0.0.1:{port}"
         print("agentshare:")
+        fused = os.environ.get("AGENTSHARE_FUSED", "auto") != "off"
+        if fused:  # built once per machine (a serving process would build them in the background)
+            t0 = time.perf_counter()
+            subprocess.run(["taskset", "-c", cores_s, sys.executable, "-m", "server.engine.elementwise", "build",
+                            "--model-dir", str(model_dir), "--dtype", args.dtype], check=True,
+                           stdout=subprocess.DEVNULL, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+            print(f"  agentshare: fused kernels ready after {time.perf_counter() - t0:.0f} s")
+        res["config"]["fused_kernels"] = fused
         with launch("agentshare", cmd, os.environ | {"HF_HUB_OFFLINE": "1"}, cores_s, log_dir / "agentshare.log",
                     url) as startup:
             names = {m["id"] for m in httpx.get(f"{url}/v1/models", headers=headers("k0")).json()["data"]}

@@ -9,6 +9,7 @@ process (:func:`start_engine`: the colocated server and every cluster worker).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
@@ -20,6 +21,7 @@ from server.engine.core import EngineConfig, EngineCore
 from server.engine.cuda import device_name
 from server.engine.detokenize import Decoder
 from server.engine.device import resolve_device
+from server.engine.elementwise import KernelSpec
 from server.engine.forward import LlamaForward
 from server.engine.modules import base_module, load_module
 from server.engine.numerics import choose_threads, dtype_name, resolve_dtype, set_threads
@@ -79,8 +81,10 @@ def start_engine(
     """The engine of a serving process, on its own thread: the thread budget chosen
     (:func:`~server.engine.numerics.choose_threads`), glibc told to keep freed memory
     (:func:`~server.process.keep_freed_memory`, before anything large is allocated), the core
-    loaded on the engine thread (:meth:`AsyncEngine.load`), and the choices logged (event
-    ``engine``: threads, device, dtype, KV pool). ``model_dir`` None: the default model."""
+    loaded on the engine thread (:meth:`AsyncEngine.load`), on a CPU the fused elementwise
+    kernels loaded or their build started (``server/engine/elementwise.py``; off with
+    ``AGENTSHARE_FUSED=off``), and the choices logged (event ``engine``: threads, device, dtype,
+    KV pool, fused kernels). ``model_dir`` None: the default model."""
     choice = choose_threads(threads)
     dev = resolve_device(device)  # a bad --device fails here, in the caller, before the thread starts
     kept = keep_freed_memory()
@@ -90,13 +94,16 @@ def start_engine(
         log.info("loading", extra={"event": "load", "model_dir": str(path), "modules": ",".join(modules or {})})
         core = load_engine(path, modules=modules, dtype=dtype, threads=choice.threads, config=config,
                            base_name=base_name, device=dev)
+        fused = "off"
+        if dev.type == "cpu" and os.environ.get("AGENTSHARE_FUSED", "auto") != "off":
+            fused = "loaded" if core.forward.fused.await_build(KernelSpec.of(core.forward.weights)) else "building"
         log.info("engine", extra={"event": "engine", "threads": torch.get_num_threads(), "threads_from": choice.source,
                                   "physical_cores": choice.physical_cores, "device": str(dev),
                                   "device_name": device_name(dev), "device_from": "auto" if str(device) == "auto" else "option",
                                   "kv_pool_bytes": core.kv.total_bytes, "kv_blocks": core.kv.num_blocks,
                                   "dtype": str(core.forward.weights.dtype),
                                   "packed_linears": core.forward.weights.layers[0].qkv.packed is not None,
-                                  "malloc_keeps_freed": kept})
+                                  "malloc_keeps_freed": kept, "fused_kernels": fused})
         return core
 
     return AsyncEngine.load(build)

@@ -33,6 +33,14 @@ import torch.nn.functional as F
 
 from server.engine.batch import StepPlan
 from server.engine.cascade import cascade_attention
+from server.engine.elementwise import (
+    FUSED_MIN_ROWS,
+    FusedSlot,
+    Kernels,
+    add_rms_norm,
+    rms_norm,
+    silu_mul,
+)
 from server.engine.projection import BaseProjection, Projection
 from server.engine.rope import Rope, apply_rope
 from server.engine.weights import LayerWeights, ModelWeights
@@ -54,6 +62,8 @@ class LlamaForward:
     weights: ModelWeights
     rope: Rope
     projection: Projection = field(default_factory=BaseProjection)
+    fused: FusedSlot = field(default_factory=FusedSlot, compare=False, repr=False)
+    """Fused elementwise kernels for prefill-sized steps, once built (``elementwise``)."""
 
     @classmethod
     def from_hf(
@@ -103,6 +113,7 @@ class LlamaForward:
         for p in (plan, *(j.plan for j in joins)):
             self.check_positions(p)
         project = projection or self.projection
+        fused = self.fused.get() if len(plan.token_ids if hidden is None else hidden) >= FUSED_MIN_ROWS else None
         cos, sin = self.rope.tables(plan.positions, w.dtype)
         h = F.embedding(plan.token_ids, w.embed) if hidden is None else hidden.to(w.dtype)
         pending = list(joins)
@@ -114,7 +125,7 @@ class LlamaForward:
             keep = kv.hidden.get(i)
             if keep is not None:
                 keep.index_copy_(0, plan.write_slots, h)
-            h = self._layer(i, w.layers[i], h, cos, sin, plan, kv, project)
+            h = self._layer(i, w.layers[i], h, cos, sin, plan, kv, project, fused)
         if plan.logit_rows is not None:
             h = h.index_select(0, plan.logit_rows)
         h = rms_norm(h, w.final_norm, s.rms_norm_eps)
@@ -130,10 +141,11 @@ class LlamaForward:
         plan: StepPlan,
         kv: KVStorage,
         project: Projection,
+        fused: Kernels | None = None,
     ) -> torch.Tensor:
         s = self.weights.shape
         t = h.shape[0]
-        x = rms_norm(h, layer.input_norm, s.rms_norm_eps)
+        x = rms_norm(h, layer.input_norm, s.rms_norm_eps) if fused is None else fused.rms_norm(h.contiguous(), layer.input_norm)
         qkv = project(x, layer.qkv, layer=index, name="qkv")
         v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:  # qwen3
@@ -142,7 +154,8 @@ class LlamaForward:
             k = rms_norm(k.view(t, s.num_kv_heads, s.head_dim), layer.k_norm, s.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:  # q and k sit side by side in qkv's output: rotate both heads in one pass
-            qk = apply_rope(qkv[:, : s.q_size + s.kv_size].view(t, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
+            rope = apply_rope if fused is None or not qkv.is_contiguous() else fused.rope
+            qk = rope(qkv[:, : s.q_size + s.kv_size].view(t, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
         k_cache, v_cache = kv.k[index], kv.v[index]
         k_cache.index_copy_(1, plan.write_slots, k.transpose(0, 1))
@@ -156,19 +169,12 @@ class LlamaForward:
             plan,
             scale=1.0 / math.sqrt(s.head_dim),
         )
-        h = h + project(attn.reshape(t, s.q_size), layer.o, layer=index, name="o")
-        x = rms_norm(h, layer.post_norm, s.rms_norm_eps)
-        gate, up = project(x, layer.gate_up, layer=index, name="gate_up").chunk(2, dim=-1)
-        return h + project(F.silu(gate) * up, layer.down, layer=index, name="down")
+        o = project(attn.reshape(t, s.q_size), layer.o, layer=index, name="o")
+        if fused is None:
+            h, x = add_rms_norm(h, o, layer.post_norm, s.rms_norm_eps)
+            return h + project(silu_mul(project(x, layer.gate_up, layer=index, name="gate_up")), layer.down,
+                               layer=index, name="down")
+        h, x = fused.add_rms_norm(h.contiguous(), o.contiguous(), layer.post_norm)
+        gate_up = project(x, layer.gate_up, layer=index, name="gate_up").contiguous()
+        return h + project(fused.silu_mul(gate_up), layer.down, layer=index, name="down")
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the Llama family computes it: normalise in fp32, scale in the input dtype.
-
-    >>> y = rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), 0.0)
-    >>> [round(v, 4) for v in y[0].tolist()]
-    [0.8485, 1.1314]
-    """
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)

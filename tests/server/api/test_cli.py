@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -12,8 +13,11 @@ import time
 from pathlib import Path
 
 import httpx
+from transformers import AutoModelForCausalLM
 
 from agentshare.local_server import free_port
+from server.engine.elementwise import KernelSpec
+from server.engine.forward import LlamaForward
 
 
 def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -21,7 +25,15 @@ def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_pa
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
            "--dtype", "float32", "--threads", "1", "--kv-cache", "8MiB", "--module", f"coder={agent_dirs['coder']}",
            "--api-key", "k1", "--log-level", "info"]
-    env = {**os.environ, "AGENTSHARE_CACHE_DIR": str(tmp_path / "cache")}
+    # the fused kernels on, their build held by "another builder" (this test holds its lock): the
+    # server logs that it awaits them, starts no builder of its own, and serves eagerly
+    kernels = tmp_path / "kernels"
+    spec = KernelSpec.of(LlamaForward.from_hf(AutoModelForCausalLM.from_pretrained(tiny_model_dir)).weights)
+    (kernels / spec.key()).mkdir(parents=True)
+    lock = open(kernels / spec.key() / "build.lock", "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    env = {**os.environ, "AGENTSHARE_CACHE_DIR": str(tmp_path / "cache"), "AGENTSHARE_FUSED": "auto",
+           "AGENTSHARE_KERNEL_CACHE": str(kernels)}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -43,6 +55,7 @@ def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_pa
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
+        lock.close()
     records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert any(r.get("event") == "request" and r.get("endpoint") == "/v1/chat/completions" for r in records), err
     engine = next(r for r in records if r.get("event") == "engine")  # what the server chose, logged at start
@@ -51,6 +64,9 @@ def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_pa
     assert engine["malloc_keeps_freed"] is sys.platform.startswith("linux")
     assert (engine["device"], engine["device_from"]) == ("cpu", "auto")  # no CUDA device here
     assert 0 < engine["kv_pool_bytes"] <= 8 << 20 and engine["kv_blocks"] > 0  # --kv-cache 8MiB
+    assert engine["fused_kernels"] == "building"
+    fused = next(r for r in records if r.get("event") == "fused_kernels")
+    assert (fused["state"], fused["key"], fused["builder"]) == ("building", spec.key(), None)
     assert not any("hello there" in line for line in err.splitlines())
 
 
