@@ -30,6 +30,7 @@ Figures, per setting, module and pair of arms:
 
     python benchmarks/bf16_agreement.py [--prompts 50] [--tokens 64] [--threads 2] [--json out.json]
     python benchmarks/bf16_agreement.py --json benchmarks/recorded/bf16_agreement.json --resume
+    python benchmarks/bf16_agreement.py --fused ...   # bf16 with the fused elementwise kernels
 
 The JSON keeps every prompt's raw traces (written after each prompt; ``--resume`` continues a
 stopped run), so figures can be recomputed over any subset of prompts and any shorter length
@@ -56,6 +57,7 @@ import torch
 
 from server.engine.build import load_engine
 from server.engine.core import EngineConfig, EngineCore
+from server.engine.elementwise import KernelSpec, build, load
 from server.engine.numerics import set_threads
 from server.engine.sampling import SamplingParams
 from server.kv.family import family_digest
@@ -379,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--resume", action="store_true", help="continue the run recorded in --json")
+    ap.add_argument("--fused", action="store_true",
+                    help="the bf16 engine with the fused elementwise kernels (built first if missing); fp32 stays eager")
     args = ap.parse_args(argv)
     if args.resume and not (args.json and args.json.is_file()):
         ap.error("--resume needs an existing --json file")
@@ -386,6 +390,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     model_dir = default_model_dir()
     cores = engines(model_dir)
+    if args.fused:
+        spec = KernelSpec.of(cores["bfloat16"].forward.weights)
+        build(spec, progress=lambda line: print(f"fused kernels: {line}", flush=True))
+        cores["bfloat16"].forward.fused.kernels = load(spec)
     batch = prompts(cores["bfloat16"].tokenizer, args.prompts)
     done: list = []
     elapsed = 0.0

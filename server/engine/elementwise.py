@@ -11,8 +11,8 @@ its own (:func:`start_build`; the engine serves eagerly meanwhile and loads them
 there: :class:`FusedSlot`). Steps of fewer than :data:`FUSED_MIN_ROWS` rows stay eager: at
 decode sizes a kernel call costs what the eager ops do.
 
-The cache: ``AGENTSHARE_KERNEL_CACHE`` (default ``~/.cache/agentshare/kernels``);
-``AGENTSHARE_FUSED=off`` turns the fused path off in serving processes. Build by hand (prints
+The packages live in ``kernels/`` of the machine's cache (``$AGENTSHARE_CACHE_DIR``, default
+``~/.cache/agentshare``); ``AGENTSHARE_FUSED=off`` turns the fused path off in serving processes. Build by hand (prints
 where the packages went)::
 
     python -m server.engine.elementwise build --model-dir PATH --dtype bfloat16
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from server import paths
 from server.engine.rope import apply_rope
 
 log = logging.getLogger("agentshare.engine")
@@ -121,7 +122,8 @@ class KernelSpec:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("AGENTSHARE_KERNEL_CACHE") or Path.home() / ".cache" / "agentshare" / "kernels")
+    """``kernels/`` under the machine's agentshare cache (``server.paths``)."""
+    return paths.cache_dir() / "kernels"
 
 
 def package_paths(spec: KernelSpec, directory: Path | None = None) -> dict[str, Path]:
@@ -244,7 +246,7 @@ def _main() -> None:
     b.add_argument("--model-dir", type=Path, help="default: the default model")
     b.add_argument("--dtype", default="auto")
     b.add_argument("--spec", help="a KernelSpec as JSON (what a serving process passes)")
-    b.add_argument("--dir", type=Path, help="the kernel cache (default: AGENTSHARE_KERNEL_CACHE or ~/.cache/agentshare/kernels)")
+    b.add_argument("--dir", type=Path, help="the kernel cache (default: kernels/ in $AGENTSHARE_CACHE_DIR)")
     args = ap.parse_args()
     if args.spec:
         spec = KernelSpec(**json.loads(args.spec))

@@ -27,13 +27,12 @@ def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_pa
            "--api-key", "k1", "--log-level", "info"]
     # the fused kernels on, their build held by "another builder" (this test holds its lock): the
     # server logs that it awaits them, starts no builder of its own, and serves eagerly
-    kernels = tmp_path / "kernels"
+    kernels = tmp_path / "cache" / "kernels"  # the machine's cache is AGENTSHARE_CACHE_DIR
     spec = KernelSpec.of(LlamaForward.from_hf(AutoModelForCausalLM.from_pretrained(tiny_model_dir)).weights)
     (kernels / spec.key()).mkdir(parents=True)
     lock = open(kernels / spec.key() / "build.lock", "a")
     fcntl.flock(lock, fcntl.LOCK_EX)
-    env = {**os.environ, "AGENTSHARE_CACHE_DIR": str(tmp_path / "cache"), "AGENTSHARE_FUSED": "auto",
-           "AGENTSHARE_KERNEL_CACHE": str(kernels)}
+    env = {**os.environ, "AGENTSHARE_CACHE_DIR": str(tmp_path / "cache"), "AGENTSHARE_FUSED": "auto"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
