@@ -32,6 +32,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -114,9 +115,9 @@ class KernelSpec:
                    str(weights.dtype).removeprefix("torch."))  # type: ignore[attr-defined]
 
     def key(self) -> str:
-        """Names the packages: the spec, torch's version, the CPU's vector ISA and this
-        module's source (a change to the regions rebuilds them)."""
-        src = inspect.getsource(sys.modules[__name__]) + inspect.getsource(apply_rope)
+        """Names the packages: the spec, torch's version, the CPU's vector ISA and the source
+        of the regions and of how they are traced (a change to either rebuilds them)."""
+        src = "".join(inspect.getsource(f) for f in (rms_norm, add_rms_norm, silu_mul, apply_rope, _examples, build))
         blob = json.dumps([asdict(self), torch.__version__, torch.backends.cpu.get_cpu_capability(), src], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -195,10 +196,13 @@ def start_build(spec: KernelSpec, directory: Path | None = None) -> subprocess.P
         fcntl.flock(lock, fcntl.LOCK_UN)
     cmd = [sys.executable, "-m", "server.engine.elementwise", "build", "--spec", json.dumps(asdict(spec)),
            "--dir", str(directory or cache_dir())]
+    nice = shutil.which("nice")  # not preexec_fn: unsafe in a process with threads
+    if nice:
+        cmd = [nice, "-n", "19", *cmd]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     with open(lock_path.with_name("build.log"), "ab") as out:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=lambda: os.nice(19))
+                                start_new_session=True)
 
 
 class FusedSlot:
@@ -211,6 +215,7 @@ class FusedSlot:
         self.kernels: Kernels | None = None
         self.spec: KernelSpec | None = None
         self.directory: Path | None = None
+        self.builder: subprocess.Popen[bytes] | None = None
         self._next_poll = 0.0
         self.poll_s = 2.0
 
@@ -220,14 +225,21 @@ class FusedSlot:
         self.spec, self.directory = spec, directory
         self.kernels = load(spec, directory)
         if self.kernels is None:
-            proc = start_build(spec, directory)
-            log.info("fused kernels: building", extra={"event": "fused_kernels", "state": "building",
-                                                        "key": spec.key(), "builder": proc.pid if proc else None})
+            self.builder = start_build(spec, directory)
+            log.info("fused kernels: building", extra={"event": "fused_kernels", "state": "building", "key": spec.key(),
+                                                        "builder": self.builder.pid if self.builder else None})
         return self.kernels is not None
 
     def get(self) -> Kernels | None:
         if self.kernels is None and self.spec is not None and time.monotonic() >= self._next_poll:
             self._next_poll = time.monotonic() + self.poll_s
+            if self.builder is not None and self.builder.poll() not in (None, 0):  # it failed: say so once
+                built = package_paths(self.spec, self.directory)["rms_norm"].parent / "build.log"
+                log.warning("fused kernels: the build failed; staying eager",
+                            extra={"event": "fused_kernels", "state": "failed", "exit": self.builder.returncode,
+                                   "log": str(built)})
+                self.spec = None
+                return None
             try:
                 self.kernels = load(self.spec, self.directory)
             except Exception as exc:  # a broken package: stay eager, say why once

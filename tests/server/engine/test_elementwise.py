@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -107,3 +109,14 @@ def test_a_real_build_loads_and_equals_the_eager_forward(tiny_model_dir, tmp_pat
         torch.testing.assert_close(_prefill(fwd, n), eager, atol=1e-4, rtol=1e-4)  # fp32: sums reordered
     started = time.perf_counter()
     assert load(spec, tmp_path) is not None and time.perf_counter() - started < 30
+
+
+def test_a_failed_build_is_reported_once_and_the_engine_stays_eager(tiny_model_dir, tmp_path, caplog):
+    slot = FusedSlot()
+    slot.spec, slot.directory, slot.poll_s = KernelSpec.of(_forward(tiny_model_dir).weights), tmp_path, 0.0
+    slot.builder = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    slot.builder.wait()
+    with caplog.at_level("WARNING", logger="agentshare.engine"):
+        assert slot.get() is None and slot.get() is None
+    failed = [r for r in caplog.records if getattr(r, "state", None) == "failed"]
+    assert len(failed) == 1 and failed[0].exit == 3 and slot.spec is None
