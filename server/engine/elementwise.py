@@ -26,7 +26,9 @@ where the packages went)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
+import functools
 import hashlib
 import inspect
 import json
@@ -39,20 +41,19 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from server import paths
 from server.engine.rope import apply_rope
+from server.engine.weights import ModelShape, ModelWeights
 
 log = logging.getLogger("agentshare.engine")
 
 FUSED_MIN_ROWS = 64
 """Steps with at least this many rows use the fused kernels (when loaded)."""
-
-REGIONS = ("rms_norm", "add_rms_norm", "rope", "silu_mul")
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as the Llama family computes it: normalise in fp32, scale in the input dtype.
@@ -88,6 +89,9 @@ class Kernels:
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
+REGIONS = tuple(f.name for f in dataclasses.fields(Kernels))
+
+
 def eager_kernels(eps: float) -> Kernels:
     """The regions as eager torch (what the fused kernels are traced from)."""
     return Kernels(lambda x, w: rms_norm(x, w, eps), lambda h, d, w: add_rms_norm(h, d, w, eps), apply_rope, silu_mul)
@@ -106,20 +110,31 @@ class KernelSpec:
     dtype: str
 
     @classmethod
-    def of(cls, weights: object) -> KernelSpec:
-        """From a :class:`~server.engine.weights.ModelWeights`."""
-        s = weights.shape  # type: ignore[attr-defined]
-        inter = weights.layers[0].gate_up.weight.shape[0] // 2  # type: ignore[attr-defined]
-        return cls(s.hidden_size, s.num_heads + s.num_kv_heads, s.head_dim, s.q_size + 2 * s.kv_size, inter,
-                   float(s.rms_norm_eps),
-                   str(weights.dtype).removeprefix("torch."))  # type: ignore[attr-defined]
+    def of(cls, weights: ModelWeights) -> KernelSpec:
+        """For a forward's weights."""
+        return cls._of(weights.shape, weights.layers[0].gate_up.weight.shape[0] // 2, weights.dtype)
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype) -> KernelSpec:
+        """For a transformers config, without loading the weights (the same spec as :meth:`of`)."""
+        return cls._of(ModelShape.from_config(config), int(config.intermediate_size), dtype)
+
+    @classmethod
+    def _of(cls, s: ModelShape, intermediate: int, dtype: torch.dtype) -> KernelSpec:
+        return cls(s.hidden_size, s.num_heads + s.num_kv_heads, s.head_dim, s.q_size + 2 * s.kv_size, intermediate,
+                   s.rms_norm_eps, str(dtype).removeprefix("torch."))
 
     def key(self) -> str:
         """Names the packages: the spec, torch's version, the CPU's vector ISA and the source
         of the regions and of how they are traced (a change to either rebuilds them)."""
-        src = "".join(inspect.getsource(f) for f in (rms_norm, add_rms_norm, silu_mul, apply_rope, _examples, build))
-        blob = json.dumps([asdict(self), torch.__version__, torch.backends.cpu.get_cpu_capability(), src], sort_keys=True)
+        blob = json.dumps([asdict(self), torch.__version__, torch.backends.cpu.get_cpu_capability(), _source()],
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+@functools.cache
+def _source() -> str:
+    return "".join(inspect.getsource(f) for f in (rms_norm, add_rms_norm, silu_mul, apply_rope, _examples, build))
 
 
 def cache_dir() -> Path:
@@ -127,9 +142,13 @@ def cache_dir() -> Path:
     return paths.cache_dir() / "kernels"
 
 
+def spec_dir(spec: KernelSpec, directory: Path | None = None) -> Path:
+    """Where ``spec``'s packages, its builder's lock and its ``build.log`` live."""
+    return (directory or cache_dir()) / spec.key()
+
+
 def package_paths(spec: KernelSpec, directory: Path | None = None) -> dict[str, Path]:
-    d = (directory or cache_dir()) / spec.key()
-    return {name: d / f"{name}.pt2" for name in REGIONS}
+    return {name: spec_dir(spec, directory) / f"{name}.pt2" for name in REGIONS}
 
 
 class _Region(torch.nn.Module):
@@ -187,7 +206,7 @@ def load(spec: KernelSpec, directory: Path | None = None) -> Kernels | None:
 def start_build(spec: KernelSpec, directory: Path | None = None) -> subprocess.Popen[bytes] | None:
     """Build the kernels in a low-priority process of their own (one thread, nice 19), unless
     another process is building them; its output goes to ``build.log`` beside the packages."""
-    lock_path = _lock_path(spec, directory or cache_dir())
+    lock_path = _lock_path(spec, directory)
     with open(lock_path, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -234,10 +253,9 @@ class FusedSlot:
         if self.kernels is None and self.spec is not None and time.monotonic() >= self._next_poll:
             self._next_poll = time.monotonic() + self.poll_s
             if self.builder is not None and self.builder.poll() not in (None, 0):  # it failed: say so once
-                built = package_paths(self.spec, self.directory)["rms_norm"].parent / "build.log"
                 log.warning("fused kernels: the build failed; staying eager",
                             extra={"event": "fused_kernels", "state": "failed", "exit": self.builder.returncode,
-                                   "log": str(built)})
+                                   "log": str(spec_dir(self.spec, self.directory) / "build.log")})
                 self.spec = None
                 return None
             try:
@@ -263,22 +281,20 @@ def _main() -> None:
     if args.spec:
         spec = KernelSpec(**json.loads(args.spec))
     else:
-        from server.engine.forward import LlamaForward
         from server.engine.numerics import resolve_dtype
         from server.models.loader import default_model_dir, load_model
 
-        loaded = load_model(args.model_dir or default_model_dir())
-        spec = KernelSpec.of(LlamaForward.from_hf(loaded.model, dtype=resolve_dtype(args.dtype)).weights)
-    d = args.dir or cache_dir()
-    with open(_lock_path(spec, d), "a") as lock:
+        spec = KernelSpec.from_config(load_model(args.model_dir or default_model_dir()).model.config,
+                                      resolve_dtype(args.dtype))
+    with open(_lock_path(spec, args.dir), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per spec on this machine; a second waits, then finds them
-        print(f"building fused kernels for {asdict(spec)} into {d / spec.key()}", flush=True)
-        build(spec, d, progress=lambda line: print(line, flush=True))
+        print(f"building fused kernels for {asdict(spec)} into {spec_dir(spec, args.dir)}", flush=True)
+        build(spec, args.dir, progress=lambda line: print(line, flush=True))
     print("done", flush=True)
 
 
-def _lock_path(spec: KernelSpec, directory: Path) -> Path:
-    d = directory / spec.key()
+def _lock_path(spec: KernelSpec, directory: Path | None) -> Path:
+    d = spec_dir(spec, directory)
     d.mkdir(parents=True, exist_ok=True)
     return d / "build.lock"
 

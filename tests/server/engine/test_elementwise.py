@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from server.engine.batch import Chunk, SharedPrefix, plan_step
 from server.engine.elementwise import (
@@ -72,6 +72,8 @@ def test_a_spec_names_its_packages_by_shape_and_dtype(tiny_model_dir, tmp_path):
     bf16 = KernelSpec.of(_forward(tiny_model_dir, torch.bfloat16).weights)
     assert (fp32.hidden, fp32.heads, fp32.head_dim, fp32.qkv_width, fp32.intermediate) == (256, 6, 64, 512, 512)
     assert fp32.key() != bf16.key() and fp32.key() == KernelSpec.of(_forward(tiny_model_dir).weights).key()
+    config = AutoConfig.from_pretrained(tiny_model_dir)  # what the build command reads: no weights loaded
+    assert KernelSpec.from_config(config, torch.float32) == fp32 and KernelSpec.from_config(config, torch.bfloat16) == bf16
     paths = package_paths(fp32, tmp_path)
     assert sorted(paths) == sorted(f.name for f in dataclasses.fields(Kernels))
     assert load(fp32, tmp_path) is None  # nothing built: stay eager
