@@ -17,11 +17,14 @@ The engine uses up to three parts per query (docs/design.md §4)::
 Layout conventions (GQA: ``G = num_heads // num_kv_heads`` query heads share a KV head):
 queries ``[T, Hkv, G, D]``; the KV cache ``[Hkv, slots, D]`` (``server.kv.storage``).
 
-On the CPU each part runs torch's flash kernel, which returns the LSE alongside the output; on
-a CUDA device torch's memory-efficient kernel does (any dtype, additive masks, the LSE). That
-kernel is checked against :func:`reference_partial` (an explicit ``matmul + logsumexp``) on the
-first call of each kind (dtype, causal, masked); a kernel that fails or disagrees is logged and
-the reference serves that kind from then on (:data:`KERNELS` says which serves what).
+On the CPU each part runs torch's flash kernel, which returns the LSE alongside the output. On
+a CUDA device two of torch's kernels are candidates, fastest first: the flash kernel (bf16 and
+fp16, no additive mask: prefill chunks and their reads of a prefix) and the memory-efficient
+one (any dtype, additive masks: decode rows). Both return the LSE. On the first call of each
+kind (dtype, causal, masked) each candidate in turn is checked against
+:func:`reference_partial` (an explicit ``matmul + logsumexp``); the first that agrees serves
+that kind from then on, and where none does, the failures are logged and the reference serves
+it (:data:`KERNELS` says which serves what).
 
 >>> q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 4, 6, 16), torch.randn(2, 4, 6, 16)
 >>> a = reference_partial(q, k[..., :3, :], v[..., :3, :])
@@ -43,7 +46,7 @@ log = logging.getLogger("agentshare.engine")
 
 KERNELS: dict[tuple[str, str, bool, bool], str] = {}
 """Which kernel serves each kind of partial on a device: ``(device type, dtype, causal, masked)``
--> ``"efficient"`` or ``"reference"`` (filled on first use; the device check reports it)."""
+-> ``"flash"``, ``"efficient"`` or ``"reference"`` (filled on first use; the device check reports it)."""
 
 _AGREE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 """How far a device kernel's output may lie from the fp32 reference on its first call."""
@@ -95,28 +98,62 @@ def _checked_device_partial(
 ) -> Partial:
     kind = (q.device.type, str(q.dtype).removeprefix("torch."), causal, mask is not None)
     chosen = KERNELS.get(kind)
-    if chosen == "efficient":
+    if chosen is not None and chosen != "reference":
         try:
-            return efficient_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+            return _kernel(chosen)(q, k, v, causal=causal, mask=mask, scale=scale)
         except RuntimeError as exc:  # a layout this kind had not shown before: the reference serves it
             log.warning("the device attention kernel refused a call; the reference serves it",
-                        extra={"event": "attention_kernel", "kind": str(kind), "why": f"{type(exc).__name__}: {exc}"})
+                        extra={"event": "attention_kernel", "kind": str(kind), "kernel": chosen,
+                               "why": f"{type(exc).__name__}: {exc}"})
             return reference_partial(q, k, v, causal=causal, mask=mask, scale=scale)
     ref = reference_partial(q, k, v, causal=causal, mask=mask, scale=scale)
-    if chosen is None:  # first call of this kind: does the kernel agree with the reference?
-        try:
-            got = efficient_partial(q, k, v, causal=causal, mask=mask, scale=scale)
-            out_err = float((got.out.float() - ref.out.float()).abs().max())
-            lse_err = float((got.lse - ref.lse).abs().max())
-            ok = out_err <= _AGREE.get(q.dtype, 1e-2) and lse_err <= 1e-3
-            why = f"max |out - reference| {out_err:.2e}, |lse - reference| {lse_err:.2e}"
-        except RuntimeError as exc:  # not supported for this shape, dtype or device
-            ok, why = False, f"{type(exc).__name__}: {exc}"
-        KERNELS[kind] = "efficient" if ok else "reference"
-        if not ok:
-            log.warning("a device attention kernel disagrees; the reference serves this kind",
-                        extra={"event": "attention_kernel", "kind": str(kind), "why": why})
+    if chosen is None:  # first call of this kind: which candidate agrees with the reference?
+        KERNELS[kind] = "reference"
+        for name in candidates(q.dtype, masked=mask is not None):
+            try:
+                got = _kernel(name)(q, k, v, causal=causal, mask=mask, scale=scale)
+                out_err = float((got.out.float() - ref.out.float()).abs().max())
+                lse_err = float((got.lse - ref.lse).abs().max())
+                ok = out_err <= _AGREE.get(q.dtype, 1e-2) and lse_err <= 1e-3
+                why = f"max |out - reference| {out_err:.2e}, |lse - reference| {lse_err:.2e}"
+            except RuntimeError as exc:  # not supported for this shape, dtype or device
+                ok, why = False, f"{type(exc).__name__}: {exc}"
+            if ok:
+                KERNELS[kind] = name
+                break
+            log.warning("a device attention kernel disagrees; the next candidate or the reference serves this kind",
+                        extra={"event": "attention_kernel", "kind": str(kind), "kernel": name, "why": why})
     return ref
+
+
+def candidates(dtype: torch.dtype, *, masked: bool) -> tuple[str, ...]:
+    """The device kernels tried for a kind of partial, fastest first.
+
+    >>> candidates(torch.bfloat16, masked=False), candidates(torch.float32, masked=False)
+    (('flash', 'efficient'), ('efficient',))
+    """
+    flash = not masked and dtype in (torch.bfloat16, torch.float16)
+    return ("flash", "efficient") if flash else ("efficient",)
+
+
+def _kernel(name: str):  # looked up per call, so that tests may stand in for either kernel
+    return {"flash": flash_partial, "efficient": efficient_partial}[name]
+
+
+def flash_partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+    mask: torch.Tensor | None = None, scale: float | None = None,
+) -> Partial:
+    """:func:`partial_attention` through torch's flash kernel (CUDA devices; bf16 and fp16, no
+    additive mask). Keys broadcast over query heads (stride 0) and any tensor whose last
+    dimension is strided are laid out for it; its LSE comes back in fp32."""
+    if mask is not None:
+        raise RuntimeError("the flash kernel takes no additive mask")
+    if k.stride(1) == 0 and k.shape[1] > 1:
+        k, v = k.contiguous(), v.contiguous()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return Partial(out, lse[..., : q.shape[2]].float())
 
 
 def efficient_partial(

@@ -85,6 +85,11 @@ class PrefixGroup:
     slot_start: int
     num_tokens: int
     rows: torch.Tensor | None  # None: every row of the step, in order
+    member: torch.Tensor | None = None
+    """With ``rows`` None, in a graph's padded step whose rows read several prefixes: [rows],
+    0.0 for a row of this group and ``-inf`` for any other. Every row then attends the prefix
+    (a fixed shape), and the rows outside the group get an LSE of ``-inf``: the prefix adds
+    nothing to them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,14 @@ def cascade_attention(
         suffix = Partial(out, lse)
 
     result = suffix.out
+    members = [g for g in plan.prefix_groups if g.member is not None]
+    if members:  # a graph's padded step: every row against every prefix, each masked to its group's rows
+        parts = [suffix]
+        for group in members:
+            p = _prefix_partial(q, k_cache, v_cache, group, scale)
+            parts.append(Partial(p.out, p.lse + group.member[:, None, None]))  # type: ignore[index]
+        result, _ = merge_partials(parts)
+        return result
     for group in plan.prefix_groups:
         if group.rows is None:
             result, _ = merge_partials([_prefix_partial(q, k_cache, v_cache, group, scale), suffix])

@@ -47,11 +47,11 @@ from server.engine.detokenize import Decoder, TextStream
 from server.engine.device import kv_pool_bytes, step_workspace_bytes
 from server.engine.errors import InvalidRequest, Overloaded, PromptTooLong, UnknownModule
 from server.engine.forward import LlamaForward
-from server.engine.graphs import DecodeGraphs
+from server.engine.graphs import DecodeGraphs, replay_tolerance
 from server.engine.modules import DecodeModule
 from server.engine.output import OutputProcessor
 from server.engine.runner import ModelRunner
-from server.engine.sampling import SamplingParams
+from server.engine.sampling import Sampled, SamplingParams
 from server.engine.scheduler import Scheduler, WorkItem
 from server.engine.sequence import FinishReason, Phase, Sequence, TokenEvent
 from server.kv.keys import Layout
@@ -102,7 +102,7 @@ class EngineCore:
         if mode != "off":  # padding rows of a graph write one block that no request owns
             scratch = self.pool.allocate(1)[0] * config.block_size
             self.runner.graphs = DecodeGraphs(forward, self.kv, self.runner.lora, scratch_slot=scratch, mode=mode,
-                                              tolerance=1e-4 if forward.weights.dtype == torch.float32 else 2e-2)
+                                              tolerance=replay_tolerance(forward.weights.dtype))
         self.output = OutputProcessor(eos_token_ids, logits_hook)
         self._grammars: GrammarBackend | None = None
         self._masker: ThreadPoolExecutor | None = None  # fills constrained rows' masks during the forward
@@ -315,7 +315,9 @@ class EngineCore:
         self.stats.steps += 1
         started = time.perf_counter()
         masks = self._fill_masks(work)
-        done, failed = self._forward(work)
+        greedy = [seq.pin_ttl is None and start + n >= len(seq.tokens) and self.output.plain_greedy(seq)
+                  for seq, start, n in work]  # they sample this step, from their row's argmax alone
+        done, failed = self._forward(work, greedy)
         events += [self._fail(seq, exc) for seq, exc in failed]
         self.stats.observe_step(sum(n for _, _, n in work),
                                 sum(n for seq, _, n in work if seq.phase is Phase.PREFILL),
@@ -346,7 +348,7 @@ class EngineCore:
         return self._masker.submit(fill)
 
     def _apply_masks(self, masks: Future[tuple[list[Sequence], torch.Tensor]] | None,
-                     done: list[tuple[WorkItem, torch.Tensor]]) -> dict[Sequence, torch.Tensor]:
+                     done: list[tuple[WorkItem, torch.Tensor | int]]) -> dict[Sequence, torch.Tensor]:
         """The masked rows of the constrained requests (one op for all); a request whose mask
         could not be computed fails alone when it samples (no masked row for it: see _advance)."""
         if masks is None:
@@ -356,7 +358,7 @@ class EngineCore:
         except Exception as exc:
             log.error("constraint masks failed", exc_info=exc, extra={"event": "mask_failed"})
             return {}
-        rows = {item[0]: row for item, row in done}
+        rows = {item[0]: row for item, row in done if isinstance(row, torch.Tensor)}  # a constrained row is never greedy-picked
         keep = [i for i, seq in enumerate(seqs) if seq in rows]
         if not keep:
             return {}
@@ -364,10 +366,11 @@ class EngineCore:
         out = apply_masks(raw, bitmask[keep])
         return {seqs[i]: out[j] for j, i in enumerate(keep)}
 
-    def _advance(self, seq: Sequence, upto: int, row: torch.Tensor,
+    def _advance(self, seq: Sequence, upto: int, row: torch.Tensor | int,
                  masked: torch.Tensor | None = None) -> TokenEvent | None:
         """After the forward: commit what ``seq`` computed; pin a context whose prompt is done,
-        or sample and emit the next token of a request whose prompt is."""
+        or sample and emit the next token of a request whose prompt is (``row``: its logits, or
+        its greedy token already chosen on the device)."""
         self.scheduler.computed(seq, upto)
         if seq.num_computed < len(seq.tokens):
             return None  # a prefill chunk: more of the prompt to come
@@ -376,21 +379,24 @@ class EngineCore:
         seq.phase = Phase.DECODE
         if masked is None and seq.matcher is not None and seq.num_generated >= len(seq.params.forced_tokens):
             raise RuntimeError("its constraint's mask could not be computed this step")
+        if isinstance(row, int):
+            return self.output.emit(seq, Sampled(row), self._finish)
         return self.output.emit(seq, self.output.sample(seq, row, masked), self._finish)
 
-    def _forward(self, work: list[WorkItem]) -> tuple[list[tuple[WorkItem, torch.Tensor]], list[tuple[Sequence, Exception]]]:
+    def _forward(self, work: list[WorkItem], greedy: list[bool]
+                 ) -> tuple[list[tuple[WorkItem, torch.Tensor | int]], list[tuple[Sequence, Exception]]]:
         """Run the step; if it raises, run each request alone (rewriting only its own, not yet
         committed, positions) so that only the ones that fail by themselves fail."""
         try:
-            return list(zip(work, self.runner.run(work), strict=True)), []
+            return list(zip(work, self.runner.run(work, greedy), strict=True)), []
         except Exception as exc:
             if len(work) == 1:
                 return [], [(work[0][0], exc)]
-        done: list[tuple[WorkItem, torch.Tensor]] = []
+        done: list[tuple[WorkItem, torch.Tensor | int]] = []
         failed: list[tuple[Sequence, Exception]] = []
-        for item in work:
+        for item, g in zip(work, greedy, strict=True):
             try:
-                done.append((item, self.runner.run([item])[0]))
+                done.append((item, self.runner.run([item], [g])[0]))
             except Exception as exc:
                 failed.append((item[0], exc))
         return done, failed

@@ -7,7 +7,10 @@
                string / a complete grammar / max_tokens / the reserved capacity ──▶ TokenEvent
 
 One row at a time: a row that raises fails its request only (each request draws from its own
-generator, so batching never changed its tokens anyway).
+generator, so batching never changed its tokens anyway). A plain greedy request (greedy and
+nothing else: no hook, grammar, penalty, logprobs or forced token; :meth:`OutputProcessor.plain_greedy`)
+skips the row: the runner picks its token on the device with the step's other such rows
+(``sampling.greedy_ids``), and only that id reaches the host.
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ class OutputProcessor:
             return out
         raw = sample(row[None], [replace(seq.params, temperature=0.0)], [None], [out.token_id], tokens=history)[0]
         return Sampled(out.token_id, raw.logprob, raw.top_logprobs)
+
+    def plain_greedy(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next token is its row's argmax and nothing reads the row: the runner
+        may then choose it on the device (``sampling.greedy_ids``) instead of sending the row."""
+        p = seq.params
+        return (self.logits_hook is None and p.greedy and not p.penalized and p.logprobs is None
+                and seq.matcher is None and seq.num_generated >= len(p.forced_tokens))
 
     def emit(self, seq: Sequence, out: Sampled, finish: Callable[[Sequence, FinishReason], TokenEvent]) -> TokenEvent:
         """Append the sampled token; ``finish`` ends the request when a stop rule fires."""

@@ -209,6 +209,20 @@ def sample(
     return out
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token, on the logits' device, in one op for all rows: the token that
+    :func:`sample` picks for the row alone with plain greedy params (no penalty, no logprobs, no
+    forced token). A row holding a NaN gets -1 instead: it goes through :func:`sample`, whose
+    sanitizing reads NaN as ``-inf``. (torch's argmax returns the index of a NaN when a row holds
+    one, and the first of equal maxima otherwise, the first ``+inf`` included, as sanitizing does.)
+
+    >>> greedy_ids(torch.tensor([[0.0, 2.0, 1.0], [0.0, float("inf"), float("inf")], [1.0, float("nan"), 0.0]]))
+    tensor([ 1,  1, -1])
+    """
+    idx = logits.argmax(dim=-1)
+    return idx.masked_fill(logits.gather(-1, idx[:, None]).squeeze(-1).isnan(), -1)
+
+
 def _choose(row: torch.Tensor, p: SamplingParams, g: torch.Generator | None,
             tokens: tuple[Sequence[int], Sequence[int]] | None) -> int:
     """The token of one sanitized row: penalized, then greedy or drawn."""

@@ -124,7 +124,7 @@ def test_a_module_served_from_another_modules_prefill_equals_transformers_on_the
     got = torch.stack(rows["second"]).float()
     assert torch.allclose(got, want, atol=ATOL), (got - want).abs().max()
     if device.type == "cuda":  # the device kernel served, after agreeing with the reference
-        kinds = {k: v for k, v in attention.KERNELS.items() if k[0] == "cuda"}
+        kinds = {k: v for k, v in attention.KERNELS.items() if k[:2] == ("cuda", "float32")}  # fp32: no flash
         assert kinds and set(kinds.values()) == {"efficient"}, kinds
 
 
@@ -173,6 +173,36 @@ def test_decode_steps_from_graphs_equal_the_eager_ones(team):
     assert (graphs.captures > 0) == (device.type == "cuda")
 
 
+def test_decode_steps_over_several_prefixes_from_graphs_equal_the_eager_ones(team):
+    """Rows over two contexts and another tenant's copy of one: each prefix's rows are a mask
+    in the graph, filled every step."""
+    device, forward, modules, _ = team
+    g = torch.Generator().manual_seed(6)
+    contexts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 56)]
+    turns = [torch.randint(3, 250, (5,), generator=g).tolist() for _ in range(4)]
+    out = {}
+    for mode in ("off", "auto" if device.type == "cuda" else "padded"):
+        core = EngineCore(forward, IdDecoder(), family="tiny", modules=modules,
+                          config=EngineConfig(kv_cache_bytes=8 << 20, block_size=BLOCK, decode_graphs=mode))
+        rows: dict[str, list[torch.Tensor]] = {}
+        core.logits_hook = lambda rid, row, rows=rows: rows.setdefault(rid, []).append(row.float().clone())
+        for i, ctx in enumerate(contexts):
+            core.add_context(f"ctx{i}", ctx, ttl=60)
+        core.add_context("other", contexts[0], ttl=60, salt="t2")
+        drain(core)
+        for i, (name, ctx, salt) in enumerate([("lora", 0, ""), ("base", 1, ""), ("base", 0, "t2"), ("lora", 1, "")]):
+            core.add_request(f"r{i}", name, prompt(contexts[ctx], turns[i]),
+                             SamplingParams(temperature=0, max_tokens=(4, 12, 9, 12)[i], ignore_eos=True), salt=salt)
+        tokens = {k: [e.token_id for e in v if e.token_id is not None] for k, v in drain(core).items()}
+        out[mode] = (tokens, rows, core.runner.graphs)
+    (want, want_rows, _), (got, got_rows, graphs) = out["off"], out[next(m for m in out if m != "off")]
+    assert got == want
+    for rid in want_rows:
+        assert torch.allclose(torch.stack(got_rows[rid]), torch.stack(want_rows[rid]), atol=ATOL)
+    assert graphs is not None and graphs.replays > 0 and graphs.mode != "off"
+    assert max(len(key[2]) for key in graphs._graphs) == 3
+
+
 def test_kv_leaves_the_device_through_the_host_copy_unchanged(team):
     device, forward, modules, _ = team
     core, _ = engine(forward, modules)
@@ -184,3 +214,24 @@ def test_kv_leaves_the_device_through_the_host_copy_unchanged(team):
         wait()
     assert hk.device.type == "cpu" and (wait is None) == (device.type == "cpu")
     assert torch.equal(hk, k.cpu()) and torch.equal(hv, v.cpu()) and hk.abs().sum() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_half_precision_prefill_attention_is_served_by_the_flash_kernel():
+    """A prefill chunk (causal among itself, keys broadcast over query heads with stride 0) and
+    its read of a history (no mask, query heads folded), laid out as ``cascade.py`` lays them:
+    the flash kernel is chosen and agrees with the fp32 reference."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hkv, grp, n, hist, d = 2, 4, 300, 700, 64
+    q = torch.randn(n, hkv, grp, d, device="cuda", generator=g, dtype=torch.bfloat16).permute(1, 2, 0, 3)
+    k_new, v_new = (torch.randn(n, hkv, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    kc, vc = (t.permute(1, 0, 2).unsqueeze(1).expand(hkv, grp, n, d) for t in (k_new, v_new))
+    kh, vh = (torch.randn(1, hkv, hist, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    folded = q.reshape(1, hkv, grp * n, d)
+    for causal, (qq, k, v) in ((True, (q, kc, vc)), (False, (folded, kh, vh))):
+        got = attention.partial_attention(qq, k, v, causal=causal)
+        ref = attention.reference_partial(qq, k, v, causal=causal)
+        assert attention.KERNELS[("cuda", "bfloat16", causal, False)] == "flash"
+        assert (got.out.float() - ref.out.float()).abs().max() < 3e-2
+        assert (got.lse - ref.lse).abs().max() < 1e-3

@@ -371,3 +371,48 @@ def test_a_short_tail_of_a_prompt_joins_its_step_when_nothing_decodes(tiny_model
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-4, rtol=1e-4)  # one step or two: the same logits
     with pytest.raises(ValueError, match="prefill_tail_tokens"):
         EngineConfig(prefill_tail_tokens=-1)
+
+
+def test_plain_greedy_rows_are_picked_where_the_logits_are_and_only_their_ids_travel(tiny_model_dir, smollm2_tokenizer):
+    """A step's plain greedy rows get their tokens from one argmax beside the logits; the host
+    receives their ids, and whole rows only for the requests that read them (logprobs, a
+    sampled draw). Every token equals what the per-row sampler gives (a logits hook turns the
+    pick off: it must see each row)."""
+    p = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Which item is 7?"))
+    requests = {"g1": SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                "g2": SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, stop_token_ids=(3,)),
+                "lp": SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
+                "drawn": SamplingParams(temperature=0.8, seed=7, max_tokens=5, ignore_eos=True)}
+    got = {}
+    for hook in (True, False):
+        core, _ = engine(tiny_model_dir)
+        if not hook:
+            core.logits_hook = None
+        travelled: list[tuple[int, ...]] = []
+
+        def to_host(t: torch.Tensor, travelled=travelled, real=core.runner.to_host) -> torch.Tensor:
+            travelled.append(tuple(t.shape))
+            return real(t)
+
+        core.runner.to_host = to_host  # type: ignore[method-assign]
+        for rid, params in requests.items():
+            core.add_request(rid, "base", p, params)
+        got[hook] = {rid: tokens_of(ev) for rid, ev in drain(core).items()}
+        vocab = core.forward.weights.shape.vocab_size
+        rows = [s[0] for s in travelled if s[1:] == (vocab,)]
+        ids = [s for s in travelled if len(s) == 1]
+        if hook:
+            assert not ids and sum(rows) == 4 * 5  # every sampled token's row came to the host
+        else:
+            assert sum(rows) == 2 * 5  # only lp's and drawn's rows
+            assert sum(n for (n,) in ids) == 2 * 5 and max(ids) <= (2,)  # g1's and g2's ids, one copy per step
+    assert got[True] == got[False] and all(len(t) == 5 for t in got[True].values())
+
+
+def test_a_greedy_row_holding_a_nan_travels_whole_and_is_sampled_as_before(tiny_model_dir):
+    core, _ = engine(tiny_model_dir)
+    logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan"), 1.0, 2.0], [5.0, 1.0, 5.0], [9.0, 0.0, 0.0]])
+    out = core.runner._to_host(logits, [0, 1, 2, 3], [True, True, True, False])
+    assert out[0] == 1 and out[2] == 0  # the first of equal maxima
+    assert isinstance(out[1], torch.Tensor) and out[1].isnan().any()  # sample() reads NaN as -inf
+    assert isinstance(out[3], torch.Tensor) and torch.equal(out[3], logits[3])

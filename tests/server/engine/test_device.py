@@ -158,7 +158,7 @@ def meta_engine(model_dir, modules, graphs: str = "off") -> EngineCore:
                                   dtype=torch.float32, device=META)
     core = EngineCore(forward, loaded.tokenizer, family=family, modules=table,
                       config=EngineConfig(kv_cache_bytes=16 << 20, max_step_tokens=64, decode_graphs=graphs))
-    core.runner.to_host = lambda logits: torch.zeros(logits.shape)  # type: ignore[method-assign]
+    core.runner.to_host = lambda t: torch.zeros(t.shape, dtype=t.dtype)  # type: ignore[method-assign]
     return core
 
 
@@ -263,3 +263,34 @@ def test_a_kernel_that_disagrees_or_fails_is_logged_and_the_reference_serves(mon
     assert any(getattr(r, "event", None) == "attention_kernel" for r in caplog.records)
     _checked_device_partial(q, k, v, causal=True, mask=None, scale=None)
     assert len(calls) == 1  # never asked again
+
+
+def test_the_flash_kernel_is_tried_first_for_unmasked_half_precision_and_the_next_candidate_serves_if_it_disagrees(
+        monkeypatch, caplog):
+    monkeypatch.setattr(attention, "KERNELS", {})
+    calls: list[str] = []
+
+    def flash(q, k, v, *, causal=False, mask=None, scale=None):
+        calls.append("flash")
+        ref = reference_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+        return Partial(ref.out + 0.5, ref.lse)  # wrong: must not serve
+
+    def efficient(q, k, v, *, causal=False, mask=None, scale=None):
+        calls.append("efficient")
+        return reference_partial(q, k, v, causal=causal, mask=mask, scale=scale)
+
+    monkeypatch.setattr(attention, "flash_partial", flash)
+    monkeypatch.setattr(attention, "efficient_partial", efficient)
+    q, k, v = (t.to(torch.bfloat16) for t in _inputs()[:3])
+    with caplog.at_level(logging.WARNING, logger="agentshare.engine"):
+        _checked_device_partial(q, k, v, causal=True, mask=None, scale=None)
+    assert calls == ["flash", "efficient"]
+    assert attention.KERNELS == {("cpu", "bfloat16", True, False): "efficient"}
+    assert [getattr(r, "kernel", None) for r in caplog.records if getattr(r, "event", None) == "attention_kernel"] \
+        == ["flash"]
+    _checked_device_partial(q, k, v, causal=True, mask=None, scale=None)
+    assert calls == ["flash", "efficient", "efficient"]
+    # a masked kind never asks the flash kernel
+    _, _, _, mask = _inputs(mask=True)
+    _checked_device_partial(q, k, v, causal=False, mask=mask.to(torch.bfloat16), scale=None)
+    assert calls[3:] == ["efficient"] and attention.KERNELS[("cpu", "bfloat16", False, True)] == "efficient"

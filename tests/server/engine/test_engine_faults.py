@@ -66,7 +66,8 @@ def test_a_request_that_raises_in_the_step_fails_alone(where, core, smollm2_toke
     p, other = prompt(smollm2_tokenizer), prompt(smollm2_tokenizer, "Something else entirely.")
     core.add_request("alone", "base", other, GOOD)
     want = tokens(run_all(core)["alone"])
-    marker = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, seed=4242)
+    # drawn, not greedy: a plain greedy row's token is picked beside the logits, not by the sampler
+    marker = SamplingParams(temperature=0.7, max_tokens=4, ignore_eos=True, seed=4242)
 
     def boom() -> None:
         raise RuntimeError(f"injected in the {where}")
@@ -84,8 +85,8 @@ def test_a_request_that_raises_in_the_step_fails_alone(where, core, smollm2_toke
         core.logits_hook = lambda rid, row: boom() if rid == "bad" else None
     elif where == "forward":
         real_run = core.runner.run
-        monkeypatch.setattr(core.runner, "run", lambda work: boom() if any(s.request_id == "bad" for s, _, _ in work)
-                            else real_run(work))
+        monkeypatch.setattr(core.runner, "run", lambda work, *a: boom() if any(s.request_id == "bad" for s, _, _ in work)
+                            else real_run(work, *a))
     else:
         real_reserve = core.scheduler.reserve
         monkeypatch.setattr(core.scheduler, "reserve", lambda seq: boom() if seq.request_id == "bad" else real_reserve(seq))

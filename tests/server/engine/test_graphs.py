@@ -117,17 +117,20 @@ class _ReplayOnTheCPU:
     """A stand-in for a captured CUDA graph: its replay runs the captured step again into the
     captured output buffer, as a graph writes its outputs in place (``off``: adds an error)."""
 
-    def __init__(self, step, out, off: float | None) -> None:
+    def __init__(self, step, out, off: float | str | None) -> None:
         self.step, self.out, self.off = step, out, off
 
     def replay(self) -> None:
         fresh = self.step()
+        if self.off == "rows":  # each row gets the next row's logits, as a stale row map would give
+            self.out.copy_(fresh.roll(1, 0))
+            return
         # None: an error of half the tolerance (1e-4 of the largest logit, fp32), which must pass
         off = 0.5e-4 * float(fresh.abs().max()) if self.off is None else self.off
         self.out.copy_(fresh + off)
 
 
-def fake_capture(monkeypatch, off: float | None) -> tuple[list, list]:
+def fake_capture(monkeypatch, off: float | str | None) -> tuple[list, list]:
     """``capture_graph`` and the graph pool replaced by the CPU stand-in; returns the pools made
     and what each capture was asked to drop first."""
     from server.engine import graphs as graphs_module
@@ -164,6 +167,7 @@ def test_each_graph_is_checked_against_the_eager_step_on_its_first_replay(parts,
         core, tokens, rows = run(parts, "padded", then="cuda", agents=agents)
     graphs = core.runner.graphs
     assert graphs is not None and tokens == eager  # a graph that differs never served a token
+    assert graphs.tolerance == 1e-4  # fp32
     biggest = max(float(torch.stack(w).abs().max()) for w in eager_rows.values())
     assert biggest > 2  # so an error relative to it is not one relative to 1
     for rid, want in eager_rows.items():
@@ -173,6 +177,7 @@ def test_each_graph_is_checked_against_the_eager_step_on_its_first_replay(parts,
         assert any("differs from the eager step" in getattr(r, "why", "") for r in caplog.records)
     else:
         assert graphs.mode == "cuda" and graphs.captures == len(graphs._graphs) >= 2
+        assert sum(g.replays for g in graphs._graphs.values()) == graphs.replays
         assert graphs.replays > graphs.captures and all(g.checked for g in graphs._graphs.values())
         assert len(pools) == 1  # one pool for every graph of the engine
         # a graph with LoRA rows drops its row masks before capture: it makes them itself
@@ -187,22 +192,88 @@ def test_the_mode_is_checked():
 
 
 def _plan(*chunks):
+    """Chunks as (ids, start, prefix tokens[, the prefix's first block])."""
     from server.engine.batch import Chunk, SharedPrefix, plan_step
 
-    made = [Chunk(ids, start=start, slots=torch.arange(100, 100 + start + len(ids) - pre),
-                  prefix=SharedPrefix(0, pre) if pre else None) for ids, start, pre in chunks]
+    made = [Chunk(c[0], start=c[1], slots=torch.arange(100, 100 + c[1] + len(c[0]) - c[2]),
+                  prefix=SharedPrefix(c[3] if len(c) > 3 else 0, c[2]) if c[2] else None) for c in chunks]
     return plan_step(made, block_size=16)
 
 
-def test_only_steps_of_decoding_rows_under_at_most_one_prefix_for_all_are_graphable():
-    from server.engine.graphs import graphable
+def test_only_steps_of_decoding_rows_over_a_few_prefixes_are_graphable():
+    from server.engine.graphs import MAX_PREFIXES, graphable
 
     assert graphable(_plan(([5], 20, 16), ([6], 30, 16)))
     assert graphable(_plan(([5], 20, 0)))
+    assert graphable(_plan(([5], 20, 16), ([6], 30, 0)))  # one row reads the prefix, one does not
+    assert graphable(_plan(*[([5], 20, 16, b) for b in range(MAX_PREFIXES)]))  # each row its own prefix
+    assert not graphable(_plan(*[([5], 20, 16, b) for b in range(MAX_PREFIXES + 1)]))
     assert not graphable(_plan(([5, 6], 20, 16)))  # a prefill chunk
     assert not graphable(_plan(([5], 20, 16), ([6, 7], 30, 16)))  # decode and a chunk
-    assert not graphable(_plan(([5], 20, 16), ([6], 30, 0)))  # one row reads the prefix, one does not
     assert not graphable(_plan(*[([5], 20, 16)] * 65))  # more rows than the largest bucket
+
+
+def two_teams(parts, mode: str, *, meta: bool = False) -> tuple[EngineCore, dict, dict]:
+    """Rows over two pinned contexts (another tenant's, too) and one over none, decoding
+    together, ending at different steps: every step reads several prefixes. ``meta``: the
+    weights are on the meta device, and the logits' copy gives zeros (see test_device.py)."""
+    forward, modules = parts
+    core = EngineCore(forward, IdDecoder(), family="tiny", modules=modules,
+                      config=EngineConfig(kv_cache_bytes=8 << 20, decode_graphs=mode))
+    if meta:
+        core.runner.to_host = lambda t: torch.zeros(t.shape, dtype=t.dtype)  # type: ignore[method-assign]
+    rows: dict[str, list[torch.Tensor]] = {}
+    core.logits_hook = lambda rid, row: rows.setdefault(rid, []).append(row.clone())
+    g = torch.Generator().manual_seed(4)
+    contexts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 56)]
+    for i, ctx in enumerate(contexts):
+        core.add_context(f"ctx{i}", ctx, ttl=60)
+    core.add_context("ctx0-other", contexts[0], ttl=60, salt="other-tenant")
+    while core.has_work:
+        core.step()
+    plan = [("r0", "base", 0, None, 5), ("r1", "a0", 1, None, 9), ("r2", "a1", 0, "other-tenant", 14),
+            ("r3", "a0", 1, None, 7), ("r4", "base", None, None, 11)]
+    for rid, module, ctx, salt, n in plan:
+        context = contexts[ctx] if ctx is not None else []
+        turn = torch.randint(3, 250, (6,), generator=g).tolist()
+        ids = tuple(context + turn)
+        core.add_request(rid, module, Prompt(ids, len(context), len(context), len(ids)),
+                         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), salt=salt or "")
+    tokens: dict[str, list[int]] = {}
+    while core.has_work:
+        for e in core.step():
+            assert e.error is None, e.error
+            if e.token_id is not None:
+                tokens.setdefault(e.request_id, []).append(e.token_id)
+    return core, tokens, rows
+
+
+def test_the_prefixes_membership_masks_stay_on_the_engines_device():
+    meta = torch.device("meta")
+    forward = LlamaForward.from_hf(random_hf_model(tiny_shape(), dtype=torch.float32, seed=0), device=meta)
+    modules = {"base": base_module("tiny")}
+    for i in range(2):
+        modules[f"a{i}"] = DecodeModule(f"a{i}", "lora", f"tiny-a{i}", True, weights=random_lora(forward, rank=4, seed=i))
+    core, tokens, _ = two_teams((forward, modules), "padded", meta=True)
+    assert len(tokens) == 5 and core.runner.graphs.replays > 0  # type: ignore[union-attr]
+    assert max(g.replays for key, g in core.runner.graphs._graphs.items() if len(key[2]) == 3) > 0  # type: ignore[union-attr]
+    members = [g.member for graph in core.runner.graphs._graphs.values()  # type: ignore[union-attr]
+               for g in graph.plan.prefix_groups if g.member is not None]
+    assert members and all(m.device == meta for m in members)
+
+
+def test_rows_over_several_prefixes_replay_graphs_and_equal_the_eager_steps(parts):
+    _, eager, eager_rows = two_teams(parts, "off")
+    core, padded, padded_rows = two_teams(parts, "padded")
+    assert padded == eager and len(eager) == 5
+    for rid, want in eager_rows.items():
+        got = torch.stack(padded_rows[rid])
+        assert torch.allclose(got, torch.stack(want), atol=1e-5), (rid, (got - torch.stack(want)).abs().max())
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.replays > 0
+    assert sum(g.replays for g in graphs._graphs.values()) == graphs.replays  # each step counted once, by its graph
+    three = sum(g.replays for key, g in graphs._graphs.items() if len(key[2]) == 3)
+    assert three >= 4  # steps over two contexts and the other tenant's copy of one
 
 
 def test_a_decode_graph_mode_is_one_of_three(parts):
@@ -308,7 +379,7 @@ def test_padded_steps_keep_every_buffer_on_the_engines_device(monkeypatch):
                "a0": DecodeModule("a0", "lora", "tiny-a0", True, weights=random_lora(forward, rank=4, seed=1))}
     core = EngineCore(forward, IdDecoder(), family="tiny", modules=modules,
                       config=EngineConfig(kv_cache_bytes=8 << 20, decode_graphs="padded"))
-    core.runner.to_host = lambda logits: torch.zeros(logits.shape)  # type: ignore[method-assign]
+    core.runner.to_host = lambda t: torch.zeros(t.shape, dtype=t.dtype)  # type: ignore[method-assign]
     for i, name in enumerate(("a0", "base", "a0")):
         core.add_request(f"r{i}", name, Prompt(tuple(range(10, 40)), 20, 20, 30),
                          SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
@@ -333,3 +404,61 @@ def test_a_new_base_forward_drops_the_graphs_of_the_old_one(parts):
         core.step()
     assert graphs.forward is replaced  # and only the new request's graphs are left: one row of a0
     assert graphs._graphs and all(k[0] == 1 and k[3] == (0,) for k in graphs._graphs)
+
+
+@pytest.mark.parametrize("fault", ["none", "rows"])
+def test_in_bf16_the_check_lets_rounding_pass_and_catches_a_replay_that_serves_another_rows_logits(
+        caplog, monkeypatch, fault):
+    """bf16 moves a padded step's logits a little (replay_tolerance); a graph whose rows are
+    another row's is still caught, and never serves a token."""
+    base = random_hf_model(tiny_shape(hidden_size=96, num_attention_heads=6, num_key_value_heads=1),
+                           dtype=torch.float32, seed=0)
+    forward = LlamaForward.from_hf(base, dtype=torch.bfloat16)
+    modules = {"base": base_module("tiny")}
+    for i in range(2):
+        modules[f"a{i}"] = DecodeModule(f"a{i}", "lora", f"tiny-a{i}", True,
+                                        weights=random_lora(forward, rank=4, seed=i + 1, std=0.1))
+    bf16 = (forward, modules)
+    fake_capture(monkeypatch, 0.0 if fault == "none" else "rows")
+    _, eager, _ = run(bf16, "off", agents=("base", "a0", "a1"))
+    with caplog.at_level(logging.WARNING, logger="agentshare.engine"):
+        core, tokens, _ = run(bf16, "padded", then="cuda", agents=("base", "a0", "a1"))
+    graphs = core.runner.graphs
+    assert graphs is not None and graphs.tolerance == 0.1
+    assert tokens == eager
+    why = [r.why for r in caplog.records if getattr(r, "event", None) == "decode_graph"]
+    if fault == "none":
+        assert graphs.mode == "cuda" and not why and graphs.replays > graphs.captures
+    else:
+        assert graphs.mode == "off" and len(why) == 1 and "differs from the eager step" in why[0]
+
+
+def test_a_graph_made_while_one_row_read_no_prefix_serves_the_steps_after_it_ends(parts):
+    """Rows [ctx, none, ctx, ctx]: the prefix's rows are a mask. When the row without a prefix
+    ends, [ctx, ctx, ctx] stay in the bucket of four, under the same key: the mask now covers
+    every row."""
+    forward, modules = parts
+    context = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    out = {}
+    for mode in ("off", "padded"):
+        core = EngineCore(forward, IdDecoder(), family="tiny", modules=modules,
+                          config=EngineConfig(kv_cache_bytes=8 << 20, decode_graphs=mode))
+        rows: dict[str, list[torch.Tensor]] = {}
+        core.logits_hook = lambda rid, row, rows=rows: rows.setdefault(rid, []).append(row.clone())
+        core.add_context("ctx", context, ttl=60)
+        while core.has_work:
+            core.step()
+        for i in range(4):
+            own = [] if i == 1 else context
+            ids = tuple(own + [7 + i, 8, 9])
+            core.add_request(f"r{i}", "a0", Prompt(ids, len(own), len(own), len(ids)),
+                             SamplingParams(temperature=0, max_tokens=3 if i == 1 else 9, ignore_eos=True))
+        while core.has_work:
+            core.step()
+        out[mode] = (rows, core.runner.graphs)
+    (want, _), (got, graphs) = out["off"], out["padded"]
+    for rid in want:
+        assert torch.allclose(torch.stack(got[rid]), torch.stack(want[rid]), atol=1e-5), rid
+    assert len(graphs._graphs) == 1  # type: ignore[union-attr]  # one key: four rows, one prefix
+    (graph,) = graphs._graphs.values()  # type: ignore[union-attr]
+    assert graph.plan.prefix_groups[0].member is not None and graph.replays >= 8

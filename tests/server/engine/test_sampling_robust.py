@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.engine.sampling import LOGPROB_FLOOR, SamplingParams, sample
+from server.engine.sampling import LOGPROB_FLOOR, SamplingParams, greedy_ids, sample
 
 NAN, INF = float("nan"), float("inf")
 VOCAB = 50
@@ -142,3 +142,23 @@ def test_any_row_and_any_valid_penalties_give_a_documented_token_and_the_raw_log
         assert torch.isfinite(r[out.token_id])  # a penalty never makes a NaN or -inf token win
     else:
         assert out.token_id == 0
+
+
+_SPECIAL = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, 1e30, -1e30])
+
+
+@settings(max_examples=200, deadline=None)
+@given(width=st.integers(1, 12), data=st.data(), bf16=st.booleans())
+def test_greedy_ids_are_the_tokens_sample_picks_each_row_alone_or_minus_one_for_a_nan_row(width, data, bf16):
+    """The batched greedy choice (the runner's, on the device) against the per-row sampler, on
+    rows with NaN, +-inf, ties and huge values, in fp32 and bf16."""
+    value = st.one_of(st.floats(-50, 50), st.integers(-3, 3).map(float), _SPECIAL)  # small ints: ties
+    rows = data.draw(st.lists(st.lists(value, min_size=width, max_size=width), min_size=1, max_size=6))
+    logits = torch.tensor(rows, dtype=torch.bfloat16 if bf16 else torch.float32)
+    ids = greedy_ids(logits).tolist()
+    for i, row in enumerate(logits):
+        alone = sample(row[None], [SamplingParams(temperature=0)], [None])[0].token_id
+        if bool(row.isnan().any()):
+            assert ids[i] == -1  # a NaN row goes through sample, which reads NaN as -inf
+        else:
+            assert ids[i] == alone, (row, ids[i], alone)
