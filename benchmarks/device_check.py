@@ -5,7 +5,8 @@ For each model shape (``server/engine/synthetic.py``: the default model's, a 1B-
 8B-class Llama, random bf16 weights built on the device):
 
 * prefill tok/s of one fresh context (2,048 and 8,192 tokens) — beside transformers' forward
-  over the same tokens, and the bf16 peak (2 · linear params + attention FLOPs per token);
+  over the same tokens, and the bf16 peak (2 · linear params + attention FLOPs per token); a
+  context longer than the engine's prefill step also in one step (what chunking costs there);
 * decode tok/s at batch 1, 16 and 64, every request on one 2,048-token shared context with a
   turn of its own — beside transformers' ``generate`` (the context repeated per row, as it
   must), and the HBM limit (weights once per step, the context's KV once, each row's own KV);
@@ -26,9 +27,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import platform
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,10 +51,13 @@ from server.prompt import Prompt
 LIMITS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12),
           "L40S": (0.864e12, 362e12), "A10": (0.6e12, 125e12)}
 
+WARMUP = 4
+"""Decode steps run before the timed ones."""
+
 FULL = dict(shapes=list(SHAPES), prefill=[2048, 8192], batches=[1, 16, 64], ctx=2048, out=64, agents=[3, 5],
             reps=3, decode_tokens=32, agreement_prompts=8)
 QUICK = dict(shapes=["tiny"], prefill=[64, 128], batches=[1, 4], ctx=96, out=6, agents=[3], reps=1,
-             decode_tokens=4, agreement_prompts=2)
+             decode_tokens=4, agreement_prompts=2, step_tokens=64)  # steps of 64: the 128-token prefill is chunked
 
 
 def sync(device: torch.device) -> None:
@@ -123,28 +129,37 @@ def serve(core: EngineCore, requests: list[tuple[str, str, Prompt]], params: Sam
     drain(core)
 
 
-def engine_prefill(core: EngineCore, n: int, reps: int, vocab: int, device: torch.device) -> float:
+def engine_prefill(core: EngineCore, n: int, reps: int, vocab: int, device: torch.device,
+                   chunk: int | None = None) -> float:
+    """tok/s of one fresh context of ``n`` tokens; ``chunk``: the engine's prefill step size
+    (``max_prefill_step_tokens``) for this figure, else the engine's own."""
+    config = core.config if chunk is None else EngineConfig(**{**_cfg(core.config), "max_prefill_step_tokens": chunk})
     rates = []
     for rep in range(reps + 1):  # the first is a warm-up
-        fresh = core.with_config(core.config)
+        fresh = core.with_config(config)
         s = timed(device, lambda c=fresh, ctx=tokens(n, 100 + rep, vocab): prefill(c, ctx))
         if rep:
             rates.append(n / s)
     return statistics.median(rates)
 
 
-def engine_decode(core: EngineCore, batch: int, ctx: int, steps: int, vocab: int, device: torch.device) -> float:
-    """Rows/s of decode steps: ``batch`` requests on one pinned context, after their first token."""
-    c = core.with_config(core.config)
+def engine_decode(core: EngineCore, batch: int, ctx: int, steps: int, vocab: int, device: torch.device,
+                  graphs: str = "auto") -> tuple[float, dict[str, Any]]:
+    """Rows/s of decode steps: ``batch`` requests on one pinned context, after their first token
+    and ``WARMUP`` more (a CUDA graph is captured and checked on its first steps), and the
+    decode graphs' counters. ``graphs``: the engine's ``decode_graphs`` mode."""
+    c = core.with_config(EngineConfig(**{**_cfg(core.config), "decode_graphs": graphs}))
     context = tokens(ctx, 7, vocab)
     c.add_context("ctx", context, ttl=600)
     drain(c)
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + WARMUP + 2, ignore_eos=True)
     for i in range(batch):
         turn = tokens(16, 1000 + i, vocab)
         ids = tuple(context + turn)
         c.add_request(f"r{i}", "base", Prompt(ids, ctx, ctx, len(ids)), params)
     while c.waiting or any(s.phase is not Phase.DECODE for s in c.running):  # the turns' prefill, first tokens
+        c.step()
+    for _ in range(WARMUP):
         c.step()
     sync(device)
     t0 = time.perf_counter()
@@ -155,11 +170,13 @@ def engine_decode(core: EngineCore, batch: int, ctx: int, steps: int, vocab: int
     sync(device)
     rate = batch * done / (time.perf_counter() - t0)
     drain(c)
-    return rate
+    g = c.runner.graphs
+    return rate, {"graphs": g.mode if g is not None else "none", "captures": g.captures if g else 0,
+                  "replays": g.replays if g else 0}
 
 
 def headline(core: EngineCore, n_agents: int, ctx: int, out: int, reps: int, vocab: int,
-             device: torch.device) -> dict[str, Any]:
+             device: torch.device, graphs: str = "auto") -> dict[str, Any]:
     greedy = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
     arms: dict[str, list[float]] = {"shared": [], "private": [], "P": [], "D": []}
     for rep in range(reps):
@@ -169,15 +186,16 @@ def headline(core: EngineCore, n_agents: int, ctx: int, out: int, reps: int, voc
             ids = tuple(context + tokens(24, 900 + i, vocab))
             reqs.append((f"a{i}", f"agent{i}", Prompt(ids, ctx, ctx, len(ids))))
         for arm in ("shared", "private") if rep % 2 == 0 else ("private", "shared"):
-            c = core.with_config(EngineConfig(**{**_cfg(core.config), "share_prefill": arm == "shared"}))
+            c = core.with_config(EngineConfig(**{**_cfg(core.config), "share_prefill": arm == "shared",
+                                                 "decode_graphs": graphs}))
             arms[arm].append(timed(device, lambda c=c, r=reqs: serve(c, r, greedy)))
-        c = core.with_config(core.config)
+        c = core.with_config(EngineConfig(**{**_cfg(core.config), "decode_graphs": graphs}))
         arms["P"].append(timed(device, lambda c=c, ctx=context: prefill(c, ctx)))
         arms["D"].append(timed(device, lambda c=c, r=reqs: serve(c, r, greedy)))
     med = {k: statistics.median(v) for k, v in arms.items()}
     predicted = (n_agents * med["P"] + med["D"]) / (med["P"] + med["D"])
     measured = med["private"] / med["shared"]
-    return {"agents": n_agents, "ctx": ctx, "out_tokens": out, "shared_s": med["shared"], "private_s": med["private"],
+    return {"agents": n_agents, "graphs": graphs, "ctx": ctx, "out_tokens": out, "shared_s": med["shared"], "private_s": med["private"],
             "P_s": med["P"], "D_s": med["D"], "speedup": measured, "predicted": predicted,
             "of_predicted": measured / predicted, "runs": arms}
 
@@ -210,7 +228,9 @@ def hf_decode(model: torch.nn.Module, batch: int, ctx: int, steps: int, vocab: i
         model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
         one = timed(device, lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw))
         many = timed(device, lambda: model.generate(ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kw))
-    return batch * steps / max(many - one, 1e-9)
+    if many <= one:  # the timer could not tell them apart: no figure rather than a wild one
+        return float("nan")
+    return batch * steps / (many - one)
 
 
 # ---- bf16 against fp32 -------------------------------------------------------------------------
@@ -274,67 +294,133 @@ def main() -> None:
     bandwidth, flops = next((v for k, v in LIMITS.items() if k in name), (None, None))
     result: dict[str, Any] = {"device": str(device), "device_name": name, "torch": torch.__version__,
                               "host": platform.node(), "plan": plan, "limits": {"hbm_bytes_s": bandwidth,
-                              "bf16_flops": flops}, "tests_rc": args.tests_rc, "shapes": {}, "skipped": []}
+                              "bf16_flops": flops}, "tests_rc": args.tests_rc, "shapes": {}, "skipped": [],
+                              "errors": {}}
+
+    class Events(logging.Handler):  # the engine's warnings (graphs turned off, kernels refused) with their why
+        def emit(self, record: logging.LogRecord) -> None:
+            entry = {"message": record.getMessage(), **{k: str(getattr(record, k)) for k in
+                     ("event", "why", "kind", "kernel") if hasattr(record, k)}}
+            result["engine_warnings"].append(entry)
+            print(f"engine warning: {entry}", flush=True)
+
+    result["engine_warnings"] = []
+    engine_log = logging.getLogger("agentshare.engine")
+    engine_log.addHandler(Events(logging.WARNING))
+    engine_log.propagate = False
 
     def left() -> float:
         return args.budget - (time.perf_counter() - t_start)
+
+    def save() -> None:  # after every part: a run stopped at its limit still leaves its figures
+        result["seconds"] = time.perf_counter() - t_start
+        result["attention_kernels"] = {"/".join(map(str, k)): v for k, v in KERNELS.items()}
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=1, default=str))
+
+    def part(key: str, fn: Callable[[], Any]) -> Any:
+        """Run one part; a failure is recorded with its traceback and the run goes on."""
+        try:
+            return fn()
+        except Exception as e:  # every failure is a finding of the check
+            result["errors"][key] = traceback.format_exc()
+            print(f"{key}: FAILED {type(e).__name__}: {e}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+        finally:
+            save()
+
+    shape = shape_params("tiny" if args.quick else "smollm2-135m")
+
+    def agree() -> None:  # first: it is short, and the shapes' figures may use the budget up
+        result["bf16_agreement"] = agreement(shape, plan["agreement_prompts"], plan["ctx"], plan["decode_tokens"],
+                                             device)
+        print(f"bf16 agreement: {result['bf16_agreement']}", flush=True)
+
+    part("bf16_agreement", agree)
+    def one_shape(sn: str) -> None:
+        p = shape_params(sn)
+        nums = model_numbers(p)
+        vocab = p["vocab_size"]
+        out: dict[str, Any] = {"numbers": nums}
+        result["shapes"][sn] = out
+        t0 = time.perf_counter()
+
+        def build() -> tuple[torch.nn.Module, EngineCore]:
+            model = random_hf_model(p, dtype=torch.bfloat16, device=device, seed=0)
+            steps = {"max_step_tokens": plan["step_tokens"], "max_prefill_step_tokens": plan["step_tokens"]} \
+                if "step_tokens" in plan else {}
+            config = EngineConfig(kv_cache_bytes=(8 << 30) if device.type == "cuda" else 256 << 20,
+                                  max_running=max(plan["batches"]) + 8, **steps)
+            return model, random_engine(p, loras=max(plan["agents"]), dtype=torch.bfloat16, device=device,
+                                        model=model, config=config)
+
+        built = part(f"{sn}/build", build)
+        if built is None:
+            return
+        model, core = built
+        out["build_s"] = time.perf_counter() - t0
+        print(f"[{sn}] built in {out['build_s']:.1f} s on {name}", flush=True)
+        own = 16 + WARMUP + plan["decode_tokens"]  # each decode row's own tokens at the end
+
+        def pre(n: int) -> None:
+            ours = engine_prefill(core, n, plan["reps"], vocab, device)
+            theirs = hf_prefill(model, n, plan["reps"], vocab, device)
+            out[f"prefill_{n}"] = beside(f"[{sn}] prefill {n}", ours, theirs, prefill_limit(nums, n, flops))
+            if n > core.config.max_prefill_step_tokens:  # the same context in one step: what chunking costs here
+                whole = engine_prefill(core, n, plan["reps"], vocab, device, chunk=n)
+                out[f"prefill_{n}_one_step"] = beside(f"[{sn}] prefill {n} in one step", whole, theirs,
+                                                      prefill_limit(nums, n, flops))
+
+        def dec(b: int) -> None:
+            ours, graphs = engine_decode(core, b, plan["ctx"], plan["decode_tokens"], vocab, device)
+            theirs = hf_decode(model, b, plan["ctx"], plan["decode_tokens"], vocab, device)
+            limit = decode_limit(nums, b, plan["ctx"], bandwidth, own)
+            out[f"decode_{b}"] = beside(f"[{sn}] decode batch {b} (graphs {graphs['graphs']}, {graphs['captures']} "
+                                        f"captured, {graphs['replays']} replays)", ours, theirs, limit) | graphs
+            if b == 1:  # the same steps without graphs: what the launches cost
+                eager, counters = engine_decode(core, b, plan["ctx"], plan["decode_tokens"], vocab, device,
+                                                graphs="off")
+                out["decode_1_eager"] = beside(f"[{sn}] decode batch 1, graphs off", eager, theirs, limit) | counters
+
+        def head(n_agents: int, graphs: str = "auto") -> None:
+            h = headline(core, n_agents, plan["ctx"], plan["out"], plan["reps"], vocab, device, graphs=graphs)
+            out[f"headline_{n_agents}" + ("" if graphs == "auto" else "_eager")] = h
+            print(f"[{sn}] {n_agents} agents, graphs {graphs}: shared {h['shared_s']:.3f} s, private "
+                  f"{h['private_s']:.3f} s, {h['speedup']:.2f}x (predicted {h['predicted']:.2f}x, "
+                  f"{h['of_predicted']:.0%})", flush=True)
+
+        for n in plan["prefill"]:
+            if n + 1 <= p["max_position_embeddings"] and left() >= 20:  # a held context keeps one token's room
+                part(f"{sn}/prefill_{n}", lambda n=n: pre(n))
+        for b in plan["batches"]:
+            if left() >= 20:
+                part(f"{sn}/decode_{b}", lambda b=b: dec(b))
+            else:
+                result["skipped"].append(f"{sn}/decode_{b}")
+        for n_agents in plan["agents"]:
+            if left() >= 30:
+                part(f"{sn}/headline_{n_agents}", lambda n=n_agents: head(n))
+            else:
+                result["skipped"].append(f"{sn}/headline_{n_agents}")
+        if sn == plan["shapes"][0] and left() > 60:  # both arms without graphs: prefill sharing alone
+            part(f"{sn}/headline_eager", lambda: head(min(plan["agents"]), graphs="off"))
 
     for shape_name in plan["shapes"]:
         if left() < 30:
             result["skipped"].append(shape_name)
             continue
-        p = shape_params(shape_name)
-        nums = model_numbers(p)
-        vocab = p["vocab_size"]
-        out: dict[str, Any] = {"numbers": nums}
-        result["shapes"][shape_name] = out
-        t0 = time.perf_counter()
-        model = random_hf_model(p, dtype=torch.bfloat16, device=device, seed=0)
-        config = EngineConfig(kv_cache_bytes=(8 << 30) if device.type == "cuda" else 256 << 20,
-                              max_running=max(plan["batches"]) + 8)
-        core = random_engine(p, loras=max(plan["agents"]), dtype=torch.bfloat16, device=device, model=model,
-                             config=config)
-        out["build_s"] = time.perf_counter() - t0
-        print(f"[{shape_name}] built in {out['build_s']:.1f} s on {name}", flush=True)
-        for n in plan["prefill"]:
-            if n > p["max_position_embeddings"] or left() < 20:
-                continue
-            ours = engine_prefill(core, n, plan["reps"], vocab, device)
-            theirs = hf_prefill(model, n, plan["reps"], vocab, device)
-            out[f"prefill_{n}"] = beside(f"[{shape_name}] prefill {n}", ours, theirs, prefill_limit(nums, n, flops))
-        for b in plan["batches"]:
-            if left() < 20:
-                result["skipped"].append(f"{shape_name}/decode_{b}")
-                continue
-            ours = engine_decode(core, b, plan["ctx"], plan["decode_tokens"], vocab, device)
-            theirs = hf_decode(model, b, plan["ctx"], plan["decode_tokens"], vocab, device)
-            out[f"decode_{b}"] = beside(f"[{shape_name}] decode batch {b}", ours, theirs,
-                                        decode_limit(nums, b, plan["ctx"], bandwidth, 16 + plan["decode_tokens"]))
-        for n_agents in plan["agents"]:
-            if left() < 30:
-                result["skipped"].append(f"{shape_name}/headline_{n_agents}")
-                continue
-            h = headline(core, n_agents, plan["ctx"], plan["out"], plan["reps"], vocab, device)
-            out[f"headline_{n_agents}"] = h
-            print(f"[{shape_name}] {n_agents} agents: shared {h['shared_s']:.3f} s, private {h['private_s']:.3f} s, "
-                  f"{h['speedup']:.2f}x (predicted {h['predicted']:.2f}x, {h['of_predicted']:.0%})", flush=True)
-        del core, model
+        one_shape(shape_name)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if left() > 30:
-        shape = shape_params("tiny" if args.quick else "smollm2-135m")
-        result["bf16_agreement"] = agreement(shape, plan["agreement_prompts"], plan["ctx"], plan["decode_tokens"],
-                                             device)
-        print(f"bf16 agreement: {result['bf16_agreement']}", flush=True)
-    else:
-        result["skipped"].append("bf16_agreement")
-    result["attention_kernels"] = {"/".join(map(str, k)): v for k, v in KERNELS.items()}
-    result["seconds"] = time.perf_counter() - t_start
-    print(f"done in {result['seconds']:.0f} s; skipped: {result['skipped'] or 'nothing'}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str))
+    save()
+    print(f"done in {result['seconds']:.0f} s; skipped: {result['skipped'] or 'nothing'}; "
+          f"failed: {list(result['errors']) or 'nothing'}")
+    if result["errors"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
