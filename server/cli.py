@@ -162,6 +162,8 @@ def serve(
     kv_store: str = typer.Option("2GiB", help="with --engine vllm: shared-memory store of prefix KV"),
     lora_instances: int = typer.Option(1, help="with --engine vllm: vLLM instances the LoRA modules are dealt to"),
     enforce_eager: bool = typer.Option(False, help="with --engine vllm: compile nothing (starts faster, runs slower)"),
+    tensor_parallel_size: int = typer.Option(1, min=1, help="with --engine vllm: ranks of every vLLM instance "
+                                             "(vLLM's --tensor-parallel-size; each rank stores its KV heads)"),
     node: list[str] | None = typer.Option(None, help="with --engine vllm: URL of an `agentshare vllm-node` on another "
                                           "host whose agents this server also serves (repeat)"),
     cluster_secret_file: Path | None = typer.Option(None, help="with --node: " + _SECRET_HELP),
@@ -184,11 +186,15 @@ def serve(
         from server.vllm.serve import VllmOptions, serve_vllm
 
         serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
-                                       enforce_eager=enforce_eager, placement_policy=placement_policy),
+                                       enforce_eager=enforce_eager, placement_policy=placement_policy,
+                                       tensor_parallel=tensor_parallel_size),
                    nodes=node or (), secret=secret)
         return
     if node:
         raise typer.BadParameter("--node needs --engine vllm")
+    if tensor_parallel_size > 1:
+        raise typer.BadParameter("--tensor-parallel-size needs --engine vllm (the torch engine runs each worker "
+                                 "on one device: give --disaggregated workers devices of their own)")
     _check_device(device)
     if not disaggregated:
         if prefill_devices or decode_devices:
@@ -270,6 +276,7 @@ def vllm_node(
     kv_store: str = typer.Option("2GiB", help="shared-memory store of prefix KV"),
     lora_instances: int = typer.Option(1, help="vLLM instances the LoRA modules are dealt to"),
     enforce_eager: bool = typer.Option(False, help="compile nothing (starts faster, runs slower)"),
+    tensor_parallel_size: int = typer.Option(1, min=1, help="ranks of every vLLM instance (the frontend's)"),
     cluster_secret_file: Path | None = typer.Option(None, help=_SECRET_HELP),
     log_level: str = typer.Option("info"),
 ) -> None:
@@ -280,7 +287,8 @@ def vllm_node(
     from server.vllm.serve import VllmOptions, serve_node
 
     serve_node(config_from_options(locals()), VllmOptions(store_bytes=parse_bytes(kv_store),
-                                                          lora_instances=lora_instances, enforce_eager=enforce_eager),
+                                                          lora_instances=lora_instances, enforce_eager=enforce_eager,
+                                                          tensor_parallel=tensor_parallel_size),
                secret=_secret(cluster_secret_file), kv_port=kv_port, advertise=advertise)
 
 

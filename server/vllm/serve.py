@@ -35,18 +35,22 @@ class VllmOptions:
     lora_instances: int = 1  # instances the LoRA modules are dealt to
     enforce_eager: bool = False  # no compilation of the base and full instances (faster start)
     placement_policy: str = "offload"  # picks among an agent's places (here, nodes): server/policy/placement.py
+    tensor_parallel: int = 1  # ranks per instance (vLLM's --tensor-parallel-size), the same for every instance
     start_timeout: float = 900.0
 
 
-def context_limit(model_dir: Path, dtype: str, kv_cache_bytes: int) -> int:
+def context_limit(model_dir: Path, dtype: str, kv_cache_bytes: int, tensor_parallel: int = 1) -> int:
     """The longest context the instances serve: the model's, capped at what ``kv_cache_bytes`` of
-    KV hold (vLLM refuses to start when one request of the model's full length does not fit its
-    KV space; the API refuses longer prompts with a 413)."""
+    KV hold on each of ``tensor_parallel`` ranks, which hold their share of the KV heads (vLLM
+    refuses to start when one request of the model's full length does not fit its KV space; the
+    API refuses longer prompts with a 413)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     max_context = int(cfg.get("max_position_embeddings", 4096))
     heads = int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 1)))
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    per_token = 2 * int(cfg["num_hidden_layers"]) * heads * head_dim * (4 if dtype == "float32" else 2)
+    if heads % tensor_parallel:
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel} does not divide the model's {heads} KV heads")
+    per_token = 2 * int(cfg["num_hidden_layers"]) * heads // tensor_parallel * head_dim * (4 if dtype == "float32" else 2)
     fits = kv_cache_bytes // per_token // 256 * 256
     if fits < 256:
         raise ValueError(f"--kv-cache {kv_cache_bytes} bytes holds {fits} tokens of this model's KV "
@@ -78,7 +82,7 @@ def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Pl
     dtype = dtype_name(resolve_dtype(config.dtype))
     family = family_digest(model_dir, kv_dtype=dtype)
     kv_bytes = config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES  # each instance's --kv-cache-memory-bytes
-    max_context = context_limit(model_dir, dtype, kv_bytes)
+    max_context = context_limit(model_dir, dtype, kv_bytes, options.tensor_parallel)
     plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
                           lora_instances=options.lora_instances, enforce_eager=options.enforce_eager,
                           with_base=with_base)
@@ -86,7 +90,7 @@ def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Pl
         log.info("plan", extra={"event": "vllm_plan", "instance": spec.name, "agents": ",".join(spec.modules),
                                 "compile": spec.compile})
     instances = VllmInstances(plan, dtype=dtype, max_model_len=max_context, capacity_bytes=options.store_bytes,
-                              family=family, kv_cache_bytes=kv_bytes)
+                              family=family, kv_cache_bytes=kv_bytes, tensor_parallel=options.tensor_parallel)
     return _Planned(model_dir, family, max_context, instances)
 
 

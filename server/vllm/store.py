@@ -3,16 +3,20 @@
 ::
 
     <root>/<format>/blocks/<key hex>     one block of ``block_size`` tokens (or a prefix's tail),
-                                         every layer: header (key, parent, tokens, dtype, shape,
-                                         crc32) + raw KV bytes
+                                         every layer: header (key, parent, tokens, part, dtype,
+                                         shape, crc32) + raw KV bytes
+    <root>/<format>/blocks/<key hex>.<r> the same, one file per tensor-parallel rank ``r`` when the
+                                         instances run on several (each rank holds its heads)
     <root>/<format>/pins/<name>          keys a caller holds (a request in flight, a pinned
                                          context) until it unpins them or they expire
     <root>/<format>/stats/<role>-<pid>   one process's counters (JSON), summed by ``counters()``
 
 Keys are the project's block keys (:mod:`server.kv.keys`): a block is found only under the
 chain of everything before it, its namespace (family digest and tenant salt) and its tokens.
-``<format>`` is a digest of what the bytes mean (the attention backend's KV layout, dtype and
-per-token shape): instances whose KV is laid out differently never see each other's blocks.
+``<format>`` is a digest of what the bytes mean (the attention backend's KV layout, dtype,
+per-token shape and tensor-parallel size): instances whose KV is laid out differently never see
+each other's blocks. With ``parts`` ranks a block is held only when every rank's part is: a
+rank's part alone is never reported as the prefix, and eviction removes a block's parts together.
 
 Writes are atomic (a temporary name, then ``os.rename``); a reader checks the header against
 the key, parent and token ids it expects and the payload against its crc32, and treats any
@@ -114,10 +118,14 @@ class StoreCounters:
 class KVStore:
     """Blocks of prefix KV in files under ``root`` (``/dev/shm`` in production), one per key."""
 
-    def __init__(self, root: str | os.PathLike[str], *, fmt: str, capacity_bytes: int, role: str) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fmt: str, capacity_bytes: int, role: str,
+                 parts: int = 1) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if parts < 1:
+            raise ValueError(f"parts (tensor-parallel ranks) must be at least 1, got {parts}")
         self.fmt = fmt
+        self.parts = parts
         self.dir = Path(root) / fmt
         self.blocks = self.dir / "blocks"
         self.pins = self.dir / "pins"
@@ -138,20 +146,28 @@ class KVStore:
 
     # -- blocks -------------------------------------------------------------------------------
 
-    def _path(self, key: bytes) -> Path:
-        return self.blocks / key.hex()
+    def _path(self, key: bytes, part: int = 0) -> Path:
+        if not 0 <= part < self.parts:
+            raise ValueError(f"part {part} of a store of {self.parts} part(s)")
+        return self.blocks / (key.hex() if self.parts == 1 else f"{key.hex()}.{part}")
+
+    @staticmethod
+    def _key_of(name: str) -> str:
+        """The key (hex) a block file's name holds a part of."""
+        return name.split(".", 1)[0]
 
     def contains(self, key: bytes) -> bool:
-        return self._path(key).exists()
+        """Whether every part of the block is here."""
+        return all(self._path(key, part).exists() for part in range(self.parts))
 
-    def put(self, key: bytes, *, parent: bytes, tokens: Sequence[int], kv: np.ndarray) -> bool:
-        """Write one block unless it is there already; False when it was."""
-        path = self._path(key)
+    def put(self, key: bytes, *, parent: bytes, tokens: Sequence[int], kv: np.ndarray, part: int = 0) -> bool:
+        """Write one block (rank ``part``'s share of it) unless it is there already; False when it was."""
+        path = self._path(key, part)
         if path.exists():
             return False
         payload = np.ascontiguousarray(kv)
         header = json.dumps({
-            "key": key.hex(), "parent": parent.hex(), "tokens": [int(t) for t in tokens],
+            "key": key.hex(), "parent": parent.hex(), "tokens": [int(t) for t in tokens], "part": part,
             "dtype": payload.dtype.str, "shape": list(payload.shape),
             "crc32": zlib.crc32(payload.data.cast("B")),
         }).encode()
@@ -174,17 +190,17 @@ class KVStore:
             held += 1
         return held
 
-    def get(self, key: bytes, *, parent: bytes, tokens: Sequence[int]) -> np.ndarray | None:
-        """The block's KV (a writable array over the one buffer the file was read into), or None
-        when it is absent or does not match what the caller expects."""
-        path = self._path(key)
+    def get(self, key: bytes, *, parent: bytes, tokens: Sequence[int], part: int = 0) -> np.ndarray | None:
+        """The block's KV (rank ``part``'s share of it: a writable array over the one buffer the
+        file was read into), or None when it is absent or does not match what the caller expects."""
+        path = self._path(key, part)
         try:
             with open(path, "rb") as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)
                 f.readinto(data)
         except FileNotFoundError:
             return None
-        kv = self._decode(data, key, parent, tokens)
+        kv = self._decode(data, key, parent, tokens, part)
         with self._lock:
             if kv is None:
                 self.counters.rejected_blocks += 1
@@ -198,7 +214,7 @@ class KVStore:
         return kv
 
     @staticmethod
-    def _decode(data: bytearray, key: bytes, parent: bytes, tokens: Sequence[int]) -> np.ndarray | None:
+    def _decode(data: bytearray, key: bytes, parent: bytes, tokens: Sequence[int], part: int) -> np.ndarray | None:
         n = len(_MAGIC)
         if data[:n] != _MAGIC or len(data) < n + _HEADER_LEN.size:
             return None
@@ -210,7 +226,7 @@ class KVStore:
         except (ValueError, KeyError, TypeError):
             return None
         if (h.get("key") != key.hex() or h.get("parent") != parent.hex()
-                or h.get("tokens") != [int(t) for t in tokens]):
+                or h.get("tokens") != [int(t) for t in tokens] or h.get("part", 0) != part):
             return None
         payload = memoryview(data)[start:]
         if len(payload) != dtype.itemsize * int(np.prod(shape)) or zlib.crc32(payload) != h.get("crc32"):
@@ -252,41 +268,48 @@ class KVStore:
 
     # -- memory -------------------------------------------------------------------------------
 
-    def usage(self) -> tuple[int, int]:
-        """(blocks, bytes) held now."""
-        n = size = 0
-        for e in os.scandir(self.blocks):
-            if not e.name.startswith("."):
-                with contextlib.suppress(FileNotFoundError):
-                    size += e.stat().st_size
-                    n += 1
-        return n, size
-
-    def evict(self) -> int:
-        """Remove least recently used unpinned blocks until within capacity; blocks removed."""
-        entries = []
-        total = 0
+    def _files(self) -> dict[str, tuple[float, list[str], int]]:
+        """Every block held now, whole or in part: key (hex) -> (its parts' latest mtime, their
+        file names, their bytes)."""
+        held: dict[str, tuple[float, list[str], int]] = {}
         for e in os.scandir(self.blocks):
             if e.name.startswith("."):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 st = e.stat()
-                entries.append((st.st_mtime, e.name, st.st_size))
-                total += st.st_size
+                mtime, names, size = held.get(self._key_of(e.name), (0.0, [], 0))
+                held[self._key_of(e.name)] = (max(mtime, st.st_mtime), [*names, e.name], size + st.st_size)
+        return held
+
+    def usage(self) -> tuple[int, int]:
+        """(blocks, bytes) held now; a block counts once however many of its parts are here."""
+        held = self._files()
+        return len(held), sum(size for _, _, size in held.values())
+
+    def evict(self) -> int:
+        """Remove least recently used unpinned blocks (every part of each) until within capacity;
+        blocks removed."""
+        held = self._files()
+        total = sum(size for _, _, size in held.values())
         if total <= self.capacity_bytes:
             return 0
         pinned = self._pinned()
         removed = 0
-        for _, name, size in sorted(entries):
+        for key, (_, names, size) in sorted(held.items(), key=lambda kv: (kv[1][0], kv[0])):
             if total <= self.capacity_bytes:
                 break
-            if name in pinned:
+            if key in pinned:
                 continue
             total -= size  # gone, whoever removed it
-            try:
-                (self.blocks / name).unlink()
-            except FileNotFoundError:
-                continue  # another process evicted it first: not counted as ours
+            ours = 0
+            for name in names:
+                try:
+                    (self.blocks / name).unlink()
+                    ours += 1
+                except FileNotFoundError:
+                    continue  # another process evicted it first: not counted as ours
+            if not ours:
+                continue
             removed += 1
             with self._lock:
                 self.counters.evicted_blocks += 1
@@ -329,4 +352,5 @@ def open_store(root: Path, *, capacity_bytes: int, role: str) -> tuple[KVStore, 
         raise RuntimeError(f"the vLLM instances should share one KV format under {root}, found {formats}: "
                            "they disagree on the KV layout, dtype or block size (see their logs)")
     facts = json.loads((root / formats[0] / "config.json").read_text())
-    return KVStore(root, fmt=formats[0], capacity_bytes=capacity_bytes, role=role), facts
+    parts = int(facts.get("parts", 1))
+    return KVStore(root, fmt=formats[0], capacity_bytes=capacity_bytes, role=role, parts=parts), facts

@@ -180,6 +180,12 @@ def messages_for(tag: str, instruction: str, chars: int = 2500) -> list[dict[str
 @pytest.fixture(scope="module")
 def oracle(base_dir: Path, modules: dict[str, Path]):
     """The torch engine in fp32 with the same modules: the project's reference."""
+    return make_oracle(base_dir, modules)
+
+
+def make_oracle(base_dir: Path, modules: dict[str, Path]):
+    """``generate(agent, messages) -> (text, IP)``: N_TOKENS greedy tokens of the torch engine in
+    fp32 on ``base_dir`` and ``modules``, and the prompt's invocation point."""
     from server.engine.build import load_engine
     from server.engine.sampling import SamplingParams
     from server.prompt import Placement, chat_prompt

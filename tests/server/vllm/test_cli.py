@@ -21,6 +21,13 @@ def test_node_needs_the_vllm_engine() -> None:
     assert code == 2 and "--node needs --engine vllm" in out
 
 
+def test_tensor_parallelism_needs_the_vllm_engine() -> None:
+    code, out = _run("serve", "--tensor-parallel-size", "2")
+    assert code == 2 and "--tensor-parallel-size needs --engine vllm" in out
+    code, out = _run("serve", "--engine", "vllm", "--tensor-parallel-size", "0")
+    assert code == 2 and "--tensor-parallel-size" in out  # at least one rank
+
+
 def test_a_cluster_secret_that_others_may_read_is_refused(tmp_path: Path) -> None:
     secret = tmp_path / "cluster.secret"
     secret.write_text("s" * 64)

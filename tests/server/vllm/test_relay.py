@@ -222,3 +222,40 @@ def test_a_push_to_a_node_that_never_answers_times_out(tmp_path: Path) -> None:
             await server.wait_closed()
 
     assert asyncio.run(asyncio.wait_for(main(), 5)) < 2  # the push's timeout, not the transport's default
+
+
+def test_a_tensor_parallel_prefix_travels_every_ranks_part(tmp_path: Path) -> None:
+    a = KVStore(tmp_path / "a", fmt="fmt", capacity_bytes=1 << 20, role="a", parts=2)
+    b = KVStore(tmp_path / "b", fmt="fmt", capacity_bytes=1 << 20, role="b", parts=2)
+    blocks = prefix_blocks(TOKENS, family=FAMILY, salt="tenant", block_size=16)
+    for blk in blocks:
+        for part in (0, 1):
+            a.put(blk.key, parent=blk.parent, tokens=TOKENS[blk.start:blk.end],
+                  kv=np.full((2, 1, 4), part, np.uint8), part=part)
+    pushed, handler, _ = _run(b, lambda addr: _push(a, blocks, addr))
+    assert (pushed.blocks, handler.received_blocks) == (3, 6)  # blocks sent; frames received
+    for blk in blocks:
+        assert b.contains(blk.key)
+        for part in (0, 1):
+            got = b.get(blk.key, parent=blk.parent, tokens=TOKENS[blk.start:blk.end], part=part)
+            assert got is not None and (got == part).all()
+
+
+@pytest.mark.parametrize("part", [-1, 1, "x"])
+def test_a_frame_for_a_rank_the_store_has_not_is_refused(tmp_path: Path, part) -> None:
+    _, b, blocks = _stores(tmp_path)
+    blk = blocks[0]
+    payload = bytes(8)
+    header = {"kind": "kv", "codec": "fp32", "block": {
+        "key": blk.key.hex(), "parent": blk.parent.hex(), "tokens": TOKENS[:16], "part": part, "dtype": "|u1",
+        "shape": [8], "crc32": zlib.crc32(payload)}}
+
+    async def body(addr: str):
+        sender = await open_sender(addr, "t4", codec="fp32", key=KEY, timeout=5,
+                                   meta={"fmt": "fmt", "pin": "p", "ttl": 60, "keys": [blk.key.hex()]})
+        with pytest.raises(TransferError, match="part"):
+            await sender.send(Frame(header, payload))
+            await sender.finish()
+
+    _, handler, _ = _run(b, body)
+    assert not b.contains(blk.key) and handler.failed_transfers == 1

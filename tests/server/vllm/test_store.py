@@ -411,3 +411,65 @@ def test_an_expired_pin_without_keys_is_swept_too(tmp_path: Path) -> None:
     (store.pins / "bare").write_text(json.dumps({"expires": time.time() - 1}))
     assert store.evict() == 1
     assert not (store.pins / "bare").exists()
+
+
+def _ranked(tmp_path: Path, capacity: int = 1 << 20, role: str = "t") -> KVStore:
+    return KVStore(tmp_path, fmt="fmt", capacity_bytes=capacity, role=role, parts=2)
+
+
+def test_a_tensor_parallel_block_is_held_only_when_every_ranks_part_is(tmp_path: Path) -> None:
+    """Each rank writes and reads its own share of a block; a block with a rank's part missing is
+    not held (the frontend would pin and claim a prefix one rank cannot load)."""
+    rank0, rank1 = _ranked(tmp_path, role="rank0"), _ranked(tmp_path, role="rank1")
+    b = prefix_blocks(list(range(20)), family=FAMILY, salt="", block_size=16)[0]
+    tokens = list(range(16))
+    assert rank0.put(b.key, parent=b.parent, tokens=tokens, kv=_kv(0.0), part=0)
+    assert not rank1.contains(b.key) and rank1.held_prefix([b.key]) == 0
+    assert rank1.put(b.key, parent=b.parent, tokens=tokens, kv=_kv(1.0), part=1)
+    assert rank0.contains(b.key) and rank0.held_prefix([b.key]) == 1
+    for part in (0, 1):  # each rank gets its own heads back, never the other's
+        got = rank0.get(b.key, parent=b.parent, tokens=tokens, part=part)
+        assert got is not None and (got.view(np.float32) == float(part)).all()
+    assert sorted(p.name for p in rank0.blocks.iterdir()) == [f"{b.key.hex()}.0", f"{b.key.hex()}.1"]
+    assert rank0.usage() == (1, 2 * (rank0.blocks / f"{b.key.hex()}.0").stat().st_size)
+    with pytest.raises(ValueError, match="part 2 of a store of 2"):
+        rank0.get(b.key, parent=b.parent, tokens=tokens, part=2)
+    with pytest.raises(ValueError, match="part -1"):
+        rank0.put(b.key, parent=b.parent, tokens=tokens, kv=_kv(0.0), part=-1)
+    with pytest.raises(ValueError, match="at least 1"):
+        KVStore(tmp_path, fmt="fmt", capacity_bytes=1, role="t", parts=0)
+
+
+def test_a_part_file_renamed_to_another_rank_is_a_miss(tmp_path: Path) -> None:
+    store = _ranked(tmp_path)
+    key = bytes(range(32))
+    store.put(key, parent=bytes(32), tokens=[1], kv=_kv(1.0), part=0)
+    os.rename(store.blocks / f"{key.hex()}.0", store.blocks / f"{key.hex()}.1")
+    assert store.get(key, parent=bytes(32), tokens=[1], part=1) is None
+    assert store.counters.rejected_blocks == 1
+
+
+def test_eviction_removes_a_blocks_parts_together_and_spares_pinned_ones(tmp_path: Path) -> None:
+    one = len(_kv(0.0).tobytes())
+    store = _ranked(tmp_path, capacity=1 << 30)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    for i, key in enumerate(keys):
+        for part in (0, 1):
+            store.put(key, parent=bytes(32), tokens=[i], kv=_kv(float(i)), part=part)
+            t = 1_000 + 10 * i + part  # parts of one block written at nearly the same time
+            os.utime(store.blocks / f"{key.hex()}.{part}", (t, t))
+    _, held = store.usage()
+    store.pin("p", [keys[0]], ttl=60)
+    store.capacity_bytes = held - one  # one part too many: a whole block goes, the oldest unpinned
+    assert store.evict() == 1
+    assert [store.contains(k) for k in keys] == [True, False, True]
+    assert not any(p.name.startswith(keys[1].hex()) for p in store.blocks.iterdir())
+    assert store.counters.evicted_blocks == 1 and store.counters.evicted_bytes == held // 3
+    assert store.usage() == (2, 2 * held // 3)
+
+
+def test_open_store_opens_as_many_parts_as_the_instances_wrote(tmp_path: Path) -> None:
+    writer = _ranked(tmp_path)
+    writer.describe({"block_size": 16, "family": FAMILY, "parts": 2})
+    store, _ = open_store(tmp_path, capacity_bytes=1 << 20, role="frontend")
+    assert store.parts == 2
