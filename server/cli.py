@@ -183,12 +183,15 @@ def serve(
                                      "instances); leave out --disaggregated")
         secret = _secret(cluster_secret_file) if node else None
         _require_vllm("--engine vllm")
-        from server.vllm.serve import VllmOptions, serve_vllm
+        from server.vllm.serve import PlanError, VllmOptions, serve_vllm
 
-        serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
-                                       enforce_eager=enforce_eager, placement_policy=placement_policy,
-                                       tensor_parallel=tensor_parallel_size),
-                   nodes=node or (), secret=secret)
+        try:
+            serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
+                                           enforce_eager=enforce_eager, placement_policy=placement_policy,
+                                           tensor_parallel=tensor_parallel_size),
+                       nodes=node or (), secret=secret)
+        except PlanError as exc:
+            raise typer.BadParameter(str(exc)) from None
         return
     if node:
         raise typer.BadParameter("--node needs --engine vllm")
@@ -284,12 +287,15 @@ def vllm_node(
     from server.api.serve import config_from_options, parse_bytes
 
     _require_vllm("vllm-node")
-    from server.vllm.serve import VllmOptions, serve_node
+    from server.vllm.serve import PlanError, VllmOptions, serve_node
 
-    serve_node(config_from_options(locals()), VllmOptions(store_bytes=parse_bytes(kv_store),
-                                                          lora_instances=lora_instances, enforce_eager=enforce_eager,
-                                                          tensor_parallel=tensor_parallel_size),
-               secret=_secret(cluster_secret_file), kv_port=kv_port, advertise=advertise)
+    try:
+        serve_node(config_from_options(locals()), VllmOptions(store_bytes=parse_bytes(kv_store),
+                                                              lora_instances=lora_instances, enforce_eager=enforce_eager,
+                                                              tensor_parallel=tensor_parallel_size),
+                   secret=_secret(cluster_secret_file), kv_port=kv_port, advertise=advertise)
+    except PlanError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 @app.command()

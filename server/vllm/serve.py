@@ -49,7 +49,9 @@ def context_limit(model_dir: Path, dtype: str, kv_cache_bytes: int, tensor_paral
     heads = int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 1)))
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     if heads % tensor_parallel:
-        raise ValueError(f"--tensor-parallel-size {tensor_parallel} does not divide the model's {heads} KV heads")
+        sizes = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel} does not divide the model's {heads} KV heads "
+                         f"(each rank holds whole heads): use one of {sizes}")
     per_token = 2 * int(cfg["num_hidden_layers"]) * heads // tensor_parallel * head_dim * (4 if dtype == "float32" else 2)
     fits = kv_cache_bytes // per_token // 256 * 256
     if fits < 256:
@@ -59,6 +61,11 @@ def context_limit(model_dir: Path, dtype: str, kv_cache_bytes: int, tensor_paral
         log.warning("context capped", extra={"event": "vllm_context", "max_context": fits,
                                              "model_max": max_context, "kv_cache_bytes": kv_cache_bytes})
     return min(fits, max_context)
+
+
+class PlanError(ValueError):
+    """The options cannot serve this model and these modules (found before any instance starts):
+    the command line says so as a usage error."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +89,13 @@ def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Pl
     dtype = dtype_name(resolve_dtype(config.dtype))
     family = family_digest(model_dir, kv_dtype=dtype)
     kv_bytes = config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES  # each instance's --kv-cache-memory-bytes
-    max_context = context_limit(model_dir, dtype, kv_bytes, options.tensor_parallel)
-    plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
-                          lora_instances=options.lora_instances, enforce_eager=options.enforce_eager,
-                          with_base=with_base)
+    try:
+        max_context = context_limit(model_dir, dtype, kv_bytes, options.tensor_parallel)
+        plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype, base_name=config.base_name,
+                              lora_instances=options.lora_instances, enforce_eager=options.enforce_eager,
+                              with_base=with_base)
+    except ValueError as exc:  # the options and the model disagree: nothing has started
+        raise PlanError(str(exc)) from None
     for spec in plan:
         log.info("plan", extra={"event": "vllm_plan", "instance": spec.name, "agents": ",".join(spec.modules),
                                 "compile": spec.compile})

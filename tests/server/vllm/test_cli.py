@@ -28,6 +28,22 @@ def test_tensor_parallelism_needs_the_vllm_engine() -> None:
     assert code == 2 and "--tensor-parallel-size" in out  # at least one rank
 
 
+def test_a_plan_the_model_cannot_take_is_a_usage_error(tiny_model_dir: Path, coder_module_dir: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found before any instance starts (the tiny model has 2 KV heads), said as a usage error."""
+    import server.cli
+
+    monkeypatch.setattr(server.cli, "_require_vllm", lambda what: None)
+    secret = tmp_path / "cluster.secret"
+    secret.write_text("s" * 64)
+    secret.chmod(0o600)
+    common = ["--model", str(tiny_model_dir), "--module", f"coder={coder_module_dir}", "--tensor-parallel-size", "3"]
+    for args in (["serve", "--engine", "vllm", *common], ["vllm-node", *common, "--cluster-secret-file", str(secret)]):
+        code, out = _run(*args)
+        flat = " ".join(out.replace("│", " ").split())  # the error box wraps long lines
+        assert code == 2 and "does not divide the model's 2 KV heads" in flat and "use one of 1, 2" in flat, out
+
+
 def test_a_cluster_secret_that_others_may_read_is_refused(tmp_path: Path) -> None:
     secret = tmp_path / "cluster.secret"
     secret.write_text("s" * 64)
