@@ -12,6 +12,7 @@ True
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -76,10 +77,10 @@ class ThreadChoice:
     physical_cores: int
 
 
-def choose_threads(threads: int | None) -> ThreadChoice:
+def choose_threads(threads: int | None, env: Mapping[str, str] | None = None) -> ThreadChoice:
     """The thread budget of an engine process: the ``--threads`` option, else ``OMP_NUM_THREADS``
-    (a launcher that shares the cores among processes sets it), else the physical cores this
-    process may use (hyper-threads slow a memory-bound decode down).
+    (a launcher that shares the cores among processes sets it; read from ``env`` when given, the
+    environment of a process about to be started), else the physical cores this process may use (hyper-threads slow a memory-bound decode down).
 
     >>> choose_threads(3).threads, choose_threads(3).source
     (3, 'option')
@@ -89,9 +90,9 @@ def choose_threads(threads: int | None) -> ThreadChoice:
         if threads <= 0:
             raise ValueError("threads must be positive")
         return ThreadChoice(threads, "option", cores)
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return ThreadChoice(int(env), "OMP_NUM_THREADS", cores)
+    given = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return ThreadChoice(int(given), "OMP_NUM_THREADS", cores)
     return ThreadChoice(cores, "physical cores", cores)
 
 

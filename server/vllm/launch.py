@@ -180,16 +180,25 @@ class Instance:
 SHM = Path("/dev/shm")  # where shm_open puts segments (vLLM's, multiprocessing's) on Linux
 
 
+def _sessions(proc: Path) -> Iterator[tuple[Path, str, int]]:
+    """(its /proc directory, state, session) of every process this one may read."""
+    for d in proc.iterdir():
+        if d.name.isdigit():
+            try:
+                # state and session are the 1st and 4th fields after the command name, which is in
+                # parentheses and may hold anything
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                yield d, fields[0], int(fields[3])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+
+
 def _shm_maps(proc: Path) -> Iterator[tuple[int, set[Path]]]:
     """(session, the segments directly under /dev/shm it maps) of every process this one may read."""
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
+    for d, _, session in _sessions(proc):
         try:
-            # the session is the 4th field after the command name, which is in parentheses and may hold any
-            session = int((d / "stat").read_text().rsplit(")", 1)[1].split()[3])
             maps = (d / "maps").read_text()
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue  # exited meanwhile, or not ours to read
         segments: set[Path] = set()
         for line in maps.splitlines():
@@ -209,13 +218,7 @@ def session_shm(session: int, proc: Path = Path("/proc")) -> set[Path]:
 
 def session_alive(session: int, proc: Path = Path("/proc")) -> bool:
     """Whether a process of ``session`` still runs (a zombie does not count)."""
-    for d in proc.iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[3]) == session and fields[0] != "Z":
-                    return True
-    return False
+    return any(s == session and state != "Z" for _, state, s in _sessions(proc))
 
 
 def remove_unmapped(paths: set[Path], proc: Path = Path("/proc")) -> set[Path]:
@@ -267,8 +270,9 @@ class VllmInstances:
         # the connector is imported by vLLM's processes: they must find this package
         root = str(Path(__file__).resolve().parents[2])
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (root, self.env.get("PYTHONPATH", "")) if p)
-        if tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in self.env and numa_nodes() < tensor_parallel:
-            self._share_cores(tensor_parallel)
+        if tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in self.env \
+                and (nodes := numa_nodes()) < tensor_parallel:
+            self._share_cores(tensor_parallel, nodes)
         self.instances = {
             s.name: Instance(s, port := free_port(), command(s, port=port, dtype=dtype, store=self.store,
                                                              max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
@@ -279,21 +283,20 @@ class VllmInstances:
         self._lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
 
-    def _share_cores(self, ranks: int) -> None:
+    def _share_cores(self, ranks: int, nodes: int) -> None:
         """vllm-cpu binds each rank to a NUMA node of its own and refuses to start with fewer nodes
         than ranks: unbound, the ranks share the instance's thread budget (``OMP_NUM_THREADS``,
         else the physical cores), split evenly, since each would otherwise start that many threads
         and oversubscribe the cores (a two-rank test here: 130 s at 2 threads a rank, 27 s at 1).
         Both variables are ignored on GPUs."""
-        from server.engine.numerics import physical_cores
+        from server.engine.numerics import choose_threads
 
-        given = self.env.get("OMP_NUM_THREADS", "").strip()
-        budget = int(given) if given.isdigit() and int(given) > 0 else physical_cores()
+        budget = choose_threads(None, self.env).threads
         per_rank = max(1, budget // ranks)
         self.env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         self.env["OMP_NUM_THREADS"] = str(per_rank)
         log.info("%d NUMA node(s) for %d tensor-parallel ranks: VLLM_CPU_OMP_THREADS_BIND=nobind, "
-                 "OMP_NUM_THREADS=%d a rank (of %d)", numa_nodes(), ranks, per_rank, budget)
+                 "OMP_NUM_THREADS=%d a rank (of %d)", nodes, ranks, per_rank, budget)
 
     def __getitem__(self, name: str) -> Instance:
         return self.instances[name]

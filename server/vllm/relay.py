@@ -80,14 +80,14 @@ async def push_blocks(store: KVStore, blocks: Sequence[StoreBlock], tokens: Sequ
     sent = 0
     try:
         for b in blocks:
+            block_tokens = [int(t) for t in tokens[b.start:b.end]]
             for part in range(store.parts):  # one frame per tensor-parallel rank's share
-                raw = await asyncio.to_thread(store.get, b.key, parent=b.parent, tokens=tokens[b.start:b.end],
-                                              part=part)
+                raw = await asyncio.to_thread(store.get, b.key, parent=b.parent, tokens=block_tokens, part=part)
                 if raw is None:
                     raise LookupError(f"store block {b.key.hex()[:16]} left the store before it was sent")
                 payload = raw.data.cast("B")  # the buffer the block was read into, as bytes: no copy
                 header = {"kind": "kv", "codec": codec, "block": {
-                    "key": b.key.hex(), "parent": b.parent.hex(), "tokens": [int(t) for t in tokens[b.start:b.end]],
+                    "key": b.key.hex(), "parent": b.parent.hex(), "tokens": block_tokens,
                     "part": part, "dtype": raw.dtype.str, "shape": list(raw.shape), "crc32": zlib.crc32(payload)}}
                 await sender.send(Frame(header, payload))
                 sent += payload.nbytes
