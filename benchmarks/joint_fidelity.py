@@ -1,0 +1,227 @@
+"""Arms (6) and (7) of the fidelity study at the study's settings, paired to arm (2) on 600+
+held-out examples: does a jointly trained prefill module close the gap of full sharing?
+
+Settings (the study's, ``docs/finetune.md``): retrieval by name over 16 records, retrieval by
+role and team over 8 records, planning over 3 chains of 3. Per setting, through the engine (bf16):
+
+- (2) ``standard``: a standard LoRA on the original base, served on its own prefill;
+- (4) ``cache``: a cache-conditioned LoRA on the original base, at full sharing (k = 0);
+- (6) ``joint``: a cache-conditioned LoRA on the jointly trained base, at full sharing;
+- (7) ``joint-k<k>``: the same, trained and served with its top k layers recomputed (``--k``).
+
+The joint base: ``finetune-joint`` on a mixture of every setting plus tool calling (3 tools),
+drawn from a seed of its own (``--joint-seed``: neither the decode modules' training rows nor
+the held-out ones), for a short budget (``--joint-epochs`` of the mixture), merged into a new
+base (a new family). Every module has the study's recipe: rank 16, alpha 32, all projections,
+one epoch of 800 rows, lr 1e-3, batch 8, bf16 autocast.
+
+Each stage keeps what it made under ``--out`` and is skipped when rerun, so the stages can run
+in separate processes (one thread each on a small machine)::
+
+    python benchmarks/joint_fidelity.py --stage joint              # the joint base
+    python benchmarks/joint_fidelity.py --stage raw                # (2) and (4), every setting
+    python benchmarks/joint_fidelity.py --stage shared             # (6), after the joint base
+    python benchmarks/joint_fidelity.py --stage recompute --k team8=8,15
+    python benchmarks/joint_fidelity.py --stage report --json benchmarks/recorded/joint_fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from server.models.loader import default_model_dir
+from server.modules.manifest import MANIFEST_FILE
+from server.training.dataset import parse_row, write_jsonl
+from server.training.evaluate import accuracy, engine_answers, paired_bootstrap
+from server.training.joint import RECORD, JointConfig, train_joint
+from server.training.tasks import Difficulty, generate
+from server.training.trainer import FinetuneConfig, finetune
+
+SETTINGS = {  # name -> (task, difficulty); the study's scenario is 8 records, 3 chains of 3, 3 tools
+    "name16": ("retrieval", Difficulty(records=16, chains=3, chain_length=3, tools=3, key="name")),
+    "team8": ("retrieval", Difficulty(records=8, chains=3, chain_length=3, tools=3, key="role+team")),
+    "planning": ("planning", Difficulty(records=8, chains=3, chain_length=3, tools=3)),
+}
+MIXTURE_ONLY = {"tool": ("tool", Difficulty(records=8, chains=3, chain_length=3, tools=3))}
+MAX_NEW = {"retrieval": 12, "planning": 8, "tool": 48}
+TRAIN_SEED, HELD_OUT_SEED = 0, 1
+
+
+def module_config(a: argparse.Namespace, base: Path, data: Path, out: Path, name: str, **kw) -> FinetuneConfig:
+    return FinetuneConfig(base=base, data=data, output=out, name=name, rank=16, alpha=32.0, epochs=1.0,
+                          batch_size=8, lr=1e-3, seed=0, kv_dtype="bfloat16", autocast=True,
+                          threads=a.threads, progress=not a.quiet, **kw)
+
+
+def setting_dir(a: argparse.Namespace, setting: str) -> Path:
+    """The setting's directory with its training and held-out rows (written once)."""
+    task, diff = SETTINGS[setting]
+    d = Path(a.out) / setting
+    d.mkdir(parents=True, exist_ok=True)
+    if not (d / "train.jsonl").is_file():
+        write_jsonl(generate(task, a.train, seed=TRAIN_SEED, difficulty=diff), d / "train.jsonl")
+    if not (d / "eval.jsonl").is_file():
+        write_jsonl(generate(task, a.eval, seed=HELD_OUT_SEED, difficulty=diff), d / "eval.jsonl")
+    return d
+
+
+def trained(out: Path, cfg: FinetuneConfig) -> dict:
+    if not (out / "training.json").is_file():
+        finetune(cfg)
+    t = json.loads((out / "training.json").read_text())
+    return {k: t[k] for k in ("steps", "seconds", "final_loss")}
+
+
+def evaluate(a: argparse.Namespace, setting: str, base: Path, modules: dict[str, Path]) -> None:
+    """Engine answers of ``modules`` (served on ``base``) to the held-out rows, kept in
+    ``predictions.json`` by arm; arms already there are not run again."""
+    d = setting_dir(a, setting)
+    path = d / "predictions.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    todo = {k: v for k, v in modules.items() if k not in done}
+    if not todo:
+        return
+    task = SETTINGS[setting][0]
+    rows = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+    examples = [parse_row(r, line=i + 1) for i, r in enumerate(rows)]
+    t0 = time.perf_counter()
+    preds = engine_answers(base, todo, examples, dtype="bfloat16", max_new_tokens=MAX_NEW[task],
+                           threads=a.threads, include_base=False, progress=not a.quiet)
+    seconds = round(time.perf_counter() - t0, 1)
+    done = json.loads(path.read_text()) if path.is_file() else {}  # another stage may have written
+    for k, v in preds.items():
+        done[k] = {"predictions": v, "correct": accuracy(task, v, examples), "eval_seconds": seconds}
+    path.write_text(json.dumps(done))
+
+
+def joint_base(a: argparse.Namespace) -> Path:
+    out = Path(a.out) / "joint-base"
+    if (out / RECORD).is_file():
+        return out
+    rows = []
+    for setting, (task, diff) in {**SETTINGS, **MIXTURE_ONLY}.items():
+        # each setting trains a decode adapter of its own during the joint stage
+        rows += [{**r, "task": setting} for r in generate(task, a.joint_rows, seed=a.joint_seed, difficulty=diff)]
+    mix = write_jsonl(rows, Path(a.out) / "joint-mixture.jsonl")
+    train_joint(JointConfig(base=default_model_dir(), data=mix, output=out, epochs=a.joint_epochs, rank=16,
+                            alpha=32.0, decode_rank=8, autocast=True, threads=a.threads, kv_dtype="bfloat16",
+                            seed=0, progress=not a.quiet))
+    return out
+
+
+def stage_raw(a: argparse.Namespace, setting: str) -> None:
+    d, base = setting_dir(a, setting), default_model_dir()
+    trained(d / "standard", module_config(a, base, d / "train.jsonl", d / "standard", f"{setting}-standard",
+                                          cache_conditioned=False))
+    trained(d / "cache", module_config(a, base, d / "train.jsonl", d / "cache", f"{setting}-cache"))
+    evaluate(a, setting, base, {"standard": d / "standard", "cache": d / "cache"})
+
+
+def stage_shared(a: argparse.Namespace, setting: str, k: int = 0) -> None:
+    d, base = setting_dir(a, setting), joint_base(a)
+    name = "joint" if k == 0 else f"joint-k{k}"
+    trained(d / name, module_config(a, base, d / "train.jsonl", d / name, f"{setting}-{name}", recompute=k))
+    if k == 0 and not (d / "joint-own" / "training.json").is_file():
+        # the same module on its own prefill: how much of the joint arm is the joint base itself
+        shutil.copytree(d / name, d / "joint-own", ignore=shutil.ignore_patterns(MANIFEST_FILE), dirs_exist_ok=True)
+    evaluate(a, setting, base, {name: d / name, **({"joint-own": d / "joint-own"} if k == 0 else {})})
+
+
+def report(a: argparse.Namespace) -> dict:
+    layers = json.loads((default_model_dir() / "config.json").read_text())["num_hidden_layers"]
+    out: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
+                             "torch": torch.__version__},
+                 "settings": {s: {"task": t, **dataclasses.asdict(diff)} for s, (t, diff) in SETTINGS.items()},
+                 "train_rows": a.train, "held_out": a.eval, "results": {}}
+    jb = Path(a.out) / "joint-base" / RECORD
+    if jb.is_file():
+        j = json.loads(jb.read_text())
+        out["joint"] = {k: j[k] for k in ("steps", "examples", "seconds", "final_loss", "tasks", "family")
+                        if k in j}
+        out["joint"]["epochs"] = j["config"]["epochs"]
+    for setting in SETTINGS:
+        d = Path(a.out) / setting
+        path = d / "predictions.json"
+        if not path.is_file():
+            continue
+        preds = json.loads(path.read_text())
+        res: dict = {"accuracy": {}, "minus_standard": {}, "training": {}, "eval_seconds": {}}
+        for arm, v in preds.items():
+            res["accuracy"][arm] = sum(v["correct"]) / len(v["correct"])
+            res["eval_seconds"][arm] = v["eval_seconds"]
+            if arm != "standard" and "standard" in preds:
+                res["minus_standard"][arm] = paired_bootstrap(v["correct"], preds["standard"]["correct"])
+            if (d / arm / "training.json").is_file() and arm != "joint-own":
+                t = json.loads((d / arm / "training.json").read_text())
+                res["training"][arm] = {k: t[k] for k in ("steps", "seconds", "final_loss")}
+                k = t["config"].get("recompute", 0)
+                res["training"][arm]["prefill_saved_3_agents"] = round(1 - (layers + 2 * k) / (3 * layers), 4)
+        if "joint" in preds and "cache" in preds:
+            res["joint_minus_cache"] = paired_bootstrap(preds["joint"]["correct"], preds["cache"]["correct"])
+        out["results"][setting] = res
+    return out
+
+
+def table(r: dict) -> str:
+    lines = ["| setting | arm | accuracy | − (2), 95 % CI | training steps, s, final loss |", "|---|---|---:|---|---|"]
+    for setting, res in r["results"].items():
+        for arm, acc in res["accuracy"].items():
+            d = res["minus_standard"].get(arm)
+            ci = f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]" if d else ""
+            t = res["training"].get(arm)
+            tr = f"{t['steps']}, {t['seconds']:.0f}, {t['final_loss']:.3f}" if t else ""
+            lines.append(f"| {setting} | {arm} | {100 * acc:.1f} % | {ci} | {tr} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stage", required=True, choices=["joint", "raw", "shared", "recompute", "report"])
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
+    p.add_argument("--k", default="", help="recompute stage: setting=k1,k2;setting=k (e.g. team8=8,15;name16=15)")
+    p.add_argument("--train", type=int, default=800)
+    p.add_argument("--eval", type=int, default=600)
+    p.add_argument("--joint-rows", type=int, default=400, help="rows per setting (and tool) in the joint mixture")
+    p.add_argument("--joint-epochs", type=float, default=0.5)
+    p.add_argument("--joint-seed", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="runs/joint-fidelity")
+    p.add_argument("--json", default=None)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    settings = [s for s in a.settings.split(",") if s]
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
+    if a.stage == "joint":
+        joint_base(a)
+    elif a.stage == "raw":
+        for s in settings:
+            stage_raw(a, s)
+    elif a.stage == "shared":
+        for s in settings:
+            stage_shared(a, s)
+    elif a.stage == "recompute":
+        for part in filter(None, a.k.split(";")):
+            s, _, ks = part.partition("=")
+            if s not in SETTINGS or not ks:
+                p.error(f"bad --k part {part!r}: use setting=k1,k2 with a setting of {', '.join(SETTINGS)}")
+            for k in ks.split(","):
+                stage_shared(a, s, int(k))
+    r = report(a)
+    print(table(r), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
