@@ -61,6 +61,10 @@ def module_config(a: argparse.Namespace, base: Path, data: Path, out: Path, name
                           threads=a.threads, progress=not a.quiet, **kw)
 
 
+def original_base(a: argparse.Namespace) -> Path:
+    return Path(a.base) if a.base else default_model_dir()
+
+
 def setting_dir(a: argparse.Namespace, setting: str) -> Path:
     """The setting's directory with its training and held-out rows (written once)."""
     task, diff = SETTINGS[setting]
@@ -111,14 +115,14 @@ def joint_base(a: argparse.Namespace) -> Path:
         # each setting trains a decode adapter of its own during the joint stage
         rows += [{**r, "task": setting} for r in generate(task, a.joint_rows, seed=a.joint_seed, difficulty=diff)]
     mix = write_jsonl(rows, Path(a.out) / "joint-mixture.jsonl")
-    train_joint(JointConfig(base=default_model_dir(), data=mix, output=out, epochs=a.joint_epochs, rank=16,
+    train_joint(JointConfig(base=original_base(a), data=mix, output=out, epochs=a.joint_epochs, rank=16,
                             alpha=32.0, decode_rank=8, autocast=True, threads=a.threads, kv_dtype="bfloat16",
                             seed=0, progress=not a.quiet))
     return out
 
 
 def stage_raw(a: argparse.Namespace, setting: str) -> None:
-    d, base = setting_dir(a, setting), default_model_dir()
+    d, base = setting_dir(a, setting), original_base(a)
     trained(d / "standard", module_config(a, base, d / "train.jsonl", d / "standard", f"{setting}-standard",
                                           cache_conditioned=False))
     trained(d / "cache", module_config(a, base, d / "train.jsonl", d / "cache", f"{setting}-cache"))
@@ -136,7 +140,7 @@ def stage_shared(a: argparse.Namespace, setting: str, k: int = 0) -> None:
 
 
 def report(a: argparse.Namespace) -> dict:
-    layers = json.loads((default_model_dir() / "config.json").read_text())["num_hidden_layers"]
+    layers = json.loads((original_base(a) / "config.json").read_text())["num_hidden_layers"]
     out: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": a.threads,
                              "torch": torch.__version__},
                  "settings": {s: {"task": t, **dataclasses.asdict(diff)} for s, (t, diff) in SETTINGS.items()},
@@ -193,6 +197,7 @@ def main() -> None:
     p.add_argument("--joint-epochs", type=float, default=0.5)
     p.add_argument("--joint-seed", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--base", default=None, help="the original base (default: the default model)")
     p.add_argument("--out", default="runs/joint-fidelity")
     p.add_argument("--json", default=None)
     p.add_argument("--quiet", action="store_true")

@@ -1,0 +1,54 @@
+"""benchmarks/joint_fidelity.py end to end on the tiny model: the joint base, arms (2), (4), (6)
+and (7) trained, answered through the engine on the same held-out rows, and paired to (2)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("joint_fidelity_script", ROOT / "benchmarks" / "joint_fidelity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.timeout(600)
+def test_every_arm_is_paired_to_the_standard_module(script, tiny_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "jf"
+    common = ["--base", str(tiny_model_dir), "--out", str(out), "--settings", "team8", "--train", "8",
+              "--eval", "6", "--joint-rows", "4", "--threads", "2", "--quiet"]
+
+    def run(*args: str) -> dict:
+        monkeypatch.setattr(sys, "argv", ["joint_fidelity.py", *args, *common, "--json", str(out / "r.json")])
+        script.main()
+        return json.loads((out / "r.json").read_text())
+
+    run("--stage", "raw")
+    run("--stage", "shared")
+    r = run("--stage", "recompute", "--k", "team8=1")
+    res = r["results"]["team8"]
+    assert set(res["accuracy"]) == {"standard", "cache", "joint", "joint-own", "joint-k1"}
+    assert set(res["minus_standard"]) == {"cache", "joint", "joint-own", "joint-k1"}
+    assert all(d["n"] == 6 for d in res["minus_standard"].values())  # the same six held-out rows, paired
+    assert res["joint_minus_cache"]["n"] == 6
+    # the joint stage trained one decode adapter per setting (and tool calling), from rows of its own seed
+    assert sorted(r["joint"]["tasks"]) == ["name16", "planning", "team8", "tool"]
+    mixture = [json.loads(x) for x in (out / "joint-mixture.jsonl").read_text().splitlines()]
+    held = {json.loads(x)["context"] for x in (out / "team8" / "eval.jsonl").read_text().splitlines()}
+    assert not held & {row["context"] for row in mixture}
+    # a new base is a new family; its modules name it, the original base's modules do not
+    joint = json.loads((out / "joint-base" / "agentshare-joint.json").read_text())
+    assert joint["family"] != joint["from_family"]
+    manifest = json.loads((out / "team8" / "joint-k1" / "agentshare-module.json").read_text())
+    assert manifest["recompute_layers"] == 1 and manifest["family"] == joint["family"]
+    assert not (out / "team8" / "joint-own" / "agentshare-module.json").exists()  # its own prefill
+    # three agents, one at k layers recomputed of 3: (3 + 2·1) / 9 of the private prefills
+    assert res["training"]["joint-k1"]["prefill_saved_3_agents"] == pytest.approx(1 - 5 / 9, abs=1e-4)
+    assert res["training"]["joint"]["prefill_saved_3_agents"] == pytest.approx(2 / 3, abs=1e-4)
