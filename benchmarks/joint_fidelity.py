@@ -106,15 +106,27 @@ def evaluate(a: argparse.Namespace, setting: str, base: Path, modules: dict[str,
     path.write_text(json.dumps(done))
 
 
+def joint_mix(a: argparse.Namespace) -> list[str]:
+    """The settings (and ``tool``) whose rows make the joint stage's mixture."""
+    return [s for s in a.joint_mix.split(",") if s]
+
+
+def joint_name(a: argparse.Namespace) -> str:
+    """``joint`` for the whole mixture, ``joint-<settings>`` for another (its base and its arms)."""
+    mix = joint_mix(a)
+    return "joint" if mix == list({**SETTINGS, **MIXTURE_ONLY}) else "joint-" + "+".join(mix)
+
+
 def joint_base(a: argparse.Namespace) -> Path:
-    out = Path(a.out) / "joint-base"
+    out = Path(a.out) / f"{joint_name(a)}-base"
     if (out / RECORD).is_file():
         return out
     rows = []
-    for setting, (task, diff) in {**SETTINGS, **MIXTURE_ONLY}.items():
+    for setting in joint_mix(a):
+        task, diff = {**SETTINGS, **MIXTURE_ONLY}[setting]
         # each setting trains a decode adapter of its own during the joint stage
         rows += [{**r, "task": setting} for r in generate(task, a.joint_rows, seed=a.joint_seed, difficulty=diff)]
-    mix = write_jsonl(rows, Path(a.out) / "joint-mixture.jsonl")
+    mix = write_jsonl(rows, Path(a.out) / f"{joint_name(a)}-mixture.jsonl")
     train_joint(JointConfig(base=original_base(a), data=mix, output=out, epochs=a.joint_epochs, rank=16,
                             alpha=32.0, decode_rank=8, autocast=True, threads=a.threads, kv_dtype="bfloat16",
                             seed=0, progress=not a.quiet))
@@ -131,12 +143,15 @@ def stage_raw(a: argparse.Namespace, setting: str) -> None:
 
 def stage_shared(a: argparse.Namespace, setting: str, k: int = 0) -> None:
     d, base = setting_dir(a, setting), joint_base(a)
-    name = "joint" if k == 0 else f"joint-k{k}"
+    name = joint_name(a) if k == 0 else f"{joint_name(a)}-k{k}"
     trained(d / name, module_config(a, base, d / "train.jsonl", d / name, f"{setting}-{name}", recompute=k))
-    if k == 0 and not (d / "joint-own" / "training.json").is_file():
-        # the same module on its own prefill: how much of the joint arm is the joint base itself
-        shutil.copytree(d / name, d / "joint-own", ignore=shutil.ignore_patterns(MANIFEST_FILE), dirs_exist_ok=True)
-    evaluate(a, setting, base, {name: d / name, **({"joint-own": d / "joint-own"} if k == 0 else {})})
+    own = {}
+    if k == 0 and a.own:  # the same module on its own prefill: how much of the arm is the joint base itself
+        own = {f"{name}-own": d / f"{name}-own"}
+        if not (d / f"{name}-own" / "training.json").is_file():
+            shutil.copytree(d / name, d / f"{name}-own", ignore=shutil.ignore_patterns(MANIFEST_FILE),
+                            dirs_exist_ok=True)
+    evaluate(a, setting, base, {name: d / name, **own})
 
 
 def report(a: argparse.Namespace) -> dict:
@@ -145,31 +160,31 @@ def report(a: argparse.Namespace) -> dict:
                              "torch": torch.__version__},
                  "settings": {s: {"task": t, **dataclasses.asdict(diff)} for s, (t, diff) in SETTINGS.items()},
                  "train_rows": a.train, "held_out": a.eval, "results": {}}
-    jb = Path(a.out) / "joint-base" / RECORD
-    if jb.is_file():
+    out["joint_bases"] = {}
+    for jb in sorted(Path(a.out).glob("joint*-base/" + RECORD)):
         j = json.loads(jb.read_text())
-        out["joint"] = {k: j[k] for k in ("steps", "examples", "seconds", "final_loss", "tasks", "family")
-                        if k in j}
-        out["joint"]["epochs"] = j["config"]["epochs"]
+        rec = {k: j[k] for k in ("steps", "examples", "seconds", "final_loss", "tasks", "family") if k in j}
+        out["joint_bases"][jb.parent.name.removesuffix("-base")] = {**rec, "epochs": j["config"]["epochs"]}
     for setting in SETTINGS:
         d = Path(a.out) / setting
         path = d / "predictions.json"
         if not path.is_file():
             continue
         preds = json.loads(path.read_text())
-        res: dict = {"accuracy": {}, "minus_standard": {}, "training": {}, "eval_seconds": {}}
+        res: dict = {"accuracy": {}, "minus_standard": {}, "minus_cache": {}, "training": {}, "eval_seconds": {}}
         for arm, v in preds.items():
             res["accuracy"][arm] = sum(v["correct"]) / len(v["correct"])
             res["eval_seconds"][arm] = v["eval_seconds"]
             if arm != "standard" and "standard" in preds:
                 res["minus_standard"][arm] = paired_bootstrap(v["correct"], preds["standard"]["correct"])
-            if (d / arm / "training.json").is_file() and arm != "joint-own":
+            if (d / arm / "training.json").is_file() and not arm.endswith("-own"):
                 t = json.loads((d / arm / "training.json").read_text())
                 res["training"][arm] = {k: t[k] for k in ("steps", "seconds", "final_loss")}
                 k = t["config"].get("recompute", 0)
                 res["training"][arm]["prefill_saved_3_agents"] = round(1 - (layers + 2 * k) / (3 * layers), 4)
-        if "joint" in preds and "cache" in preds:
-            res["joint_minus_cache"] = paired_bootstrap(preds["joint"]["correct"], preds["cache"]["correct"])
+        if "cache" in preds:  # what the joint base changes at the same k = 0 (and what k adds)
+            res["minus_cache"] = {arm: paired_bootstrap(v["correct"], preds["cache"]["correct"])
+                                  for arm, v in preds.items() if arm not in ("standard", "cache")}
         out["results"][setting] = res
     return out
 
@@ -196,6 +211,11 @@ def main() -> None:
     p.add_argument("--joint-rows", type=int, default=400, help="rows per setting (and tool) in the joint mixture")
     p.add_argument("--joint-epochs", type=float, default=0.5)
     p.add_argument("--joint-seed", type=int, default=2)
+    p.add_argument("--joint-mix", default=",".join({**SETTINGS, **MIXTURE_ONLY}),
+                   help="the settings (and tool) of the joint mixture; another mixture is another base, "
+                        "its arms named joint-<settings>")
+    p.add_argument("--no-own", dest="own", action="store_false",
+                   help="shared stage: skip the module on its own prefill (its evaluation prefills every row)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--base", default=None, help="the original base (default: the default model)")
     p.add_argument("--out", default="runs/joint-fidelity")
@@ -205,6 +225,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     settings = [s for s in a.settings.split(",") if s]
     unknown = [s for s in settings if s not in SETTINGS]
+    unknown += [s for s in a.joint_mix.split(",") if s and s not in {**SETTINGS, **MIXTURE_ONLY}]
     if unknown:
         p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
     if a.stage == "joint":

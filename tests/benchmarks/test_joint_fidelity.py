@@ -37,9 +37,9 @@ def test_every_arm_is_paired_to_the_standard_module(script, tiny_model_dir, tmp_
     assert set(res["accuracy"]) == {"standard", "cache", "joint", "joint-own", "joint-k1"}
     assert set(res["minus_standard"]) == {"cache", "joint", "joint-own", "joint-k1"}
     assert all(d["n"] == 6 for d in res["minus_standard"].values())  # the same six held-out rows, paired
-    assert res["joint_minus_cache"]["n"] == 6
+    assert set(res["minus_cache"]) == {"joint", "joint-own", "joint-k1"} and res["minus_cache"]["joint"]["n"] == 6
     # the joint stage trained one decode adapter per setting (and tool calling), from rows of its own seed
-    assert sorted(r["joint"]["tasks"]) == ["name16", "planning", "team8", "tool"]
+    assert sorted(r["joint_bases"]["joint"]["tasks"]) == ["name16", "planning", "team8", "tool"]
     mixture = [json.loads(x) for x in (out / "joint-mixture.jsonl").read_text().splitlines()]
     held = {json.loads(x)["context"] for x in (out / "team8" / "eval.jsonl").read_text().splitlines()}
     assert not held & {row["context"] for row in mixture}
@@ -52,3 +52,8 @@ def test_every_arm_is_paired_to_the_standard_module(script, tiny_model_dir, tmp_
     # three agents, one at k layers recomputed of 3: (3 + 2·1) / 9 of the private prefills
     assert res["training"]["joint-k1"]["prefill_saved_3_agents"] == pytest.approx(1 - 5 / 9, abs=1e-4)
     assert res["training"]["joint"]["prefill_saved_3_agents"] == pytest.approx(2 / 3, abs=1e-4)
+    # another mixture is another base, and its arms are named after it
+    r = run("--stage", "shared", "--joint-mix", "team8", "--no-own")
+    assert sorted(r["joint_bases"]) == ["joint", "joint-team8"] and r["joint_bases"]["joint-team8"]["tasks"] == ["team8"]
+    assert "joint-team8" in r["results"]["team8"]["accuracy"]
+    assert "joint-team8-own" not in r["results"]["team8"]["accuracy"]
