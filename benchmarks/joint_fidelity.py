@@ -28,6 +28,7 @@ in separate processes (one thread each on a small machine)::
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import platform
@@ -42,7 +43,7 @@ from server.modules.manifest import MANIFEST_FILE
 from server.training.dataset import parse_row, write_jsonl
 from server.training.evaluate import accuracy, engine_answers, paired_bootstrap
 from server.training.joint import RECORD, JointConfig, train_joint
-from server.training.tasks import Difficulty, generate
+from server.training.tasks import Difficulty, generate, retrieval_error
 from server.training.trainer import FinetuneConfig, finetune
 
 SETTINGS = {  # name -> (task, difficulty); the study's scenario is 8 records, 3 chains of 3, 3 tools
@@ -182,6 +183,11 @@ def report(a: argparse.Namespace) -> dict:
                 res["training"][arm] = {k: t[k] for k in ("steps", "seconds", "final_loss")}
                 k = t["config"].get("recompute", 0)
                 res["training"][arm]["prefill_saved_3_agents"] = round(1 - (layers + 2 * k) / (3 * layers), 4)
+        if SETTINGS[setting][0] == "retrieval":  # each arm's wrong answers by kind
+            rows = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+            res["errors"] = {arm: dict(collections.Counter(
+                e for e in (retrieval_error(r, x) for r, x in zip(rows, v["predictions"], strict=True)) if e))
+                for arm, v in preds.items()}
         if "cache" in preds:  # what the joint base changes at the same k = 0 (and what k adds)
             res["minus_cache"] = {arm: paired_bootstrap(v["correct"], preds["cache"]["correct"])
                                   for arm, v in preds.items() if arm not in ("standard", "cache")}

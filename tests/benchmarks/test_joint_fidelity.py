@@ -37,6 +37,8 @@ def test_every_arm_is_paired_to_the_standard_module(script, tiny_model_dir, tmp_
     assert set(res["accuracy"]) == {"standard", "cache", "joint", "joint-own", "joint-k1"}
     assert set(res["minus_standard"]) == {"cache", "joint", "joint-own", "joint-k1"}
     assert all(d["n"] == 6 for d in res["minus_standard"].values())  # the same six held-out rows, paired
+    for arm, acc in res["accuracy"].items():  # every wrong answer classified
+        assert sum(res["errors"][arm].values()) == round(6 * (1 - acc)), arm
     assert set(res["minus_cache"]) == {"joint", "joint-own", "joint-k1"} and res["minus_cache"]["joint"]["n"] == 6
     # the joint stage trained one decode adapter per setting (and tool calling), from rows of its own seed
     assert sorted(r["joint_bases"]["joint"]["tasks"]) == ["name16", "planning", "team8", "tool"]
