@@ -51,7 +51,8 @@ SETTINGS = {  # name -> (task, difficulty); the study's scenario is 8 records, 3
     "team8": ("retrieval", Difficulty(records=8, chains=3, chain_length=3, tools=3, key="role+team")),
     "planning": ("planning", Difficulty(records=8, chains=3, chain_length=3, tools=3)),
 }
-MIXTURE_ONLY = {"tool": ("tool", Difficulty(records=8, chains=3, chain_length=3, tools=3))}
+MIXABLE = {**SETTINGS, "tool": ("tool", Difficulty(records=8, chains=3, chain_length=3, tools=3))}
+"""What the joint stage's mixture may hold: every setting, and tool calling."""
 MAX_NEW = {"retrieval": 12, "planning": 8, "tool": 48}
 TRAIN_SEED, HELD_OUT_SEED = 0, 1
 
@@ -78,11 +79,15 @@ def setting_dir(a: argparse.Namespace, setting: str) -> Path:
     return d
 
 
-def trained(out: Path, cfg: FinetuneConfig) -> dict:
+def train(out: Path, cfg: FinetuneConfig) -> None:
+    """Fine-tune ``cfg`` into ``out`` unless it is there already."""
     if not (out / "training.json").is_file():
         finetune(cfg)
-    t = json.loads((out / "training.json").read_text())
-    return {k: t[k] for k in ("steps", "seconds", "final_loss")}
+
+
+def held_out_rows(d: Path) -> list[dict]:
+    """The setting's held-out rows, as :func:`setting_dir` wrote them."""
+    return [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
 
 
 def evaluate(a: argparse.Namespace, setting: str, base: Path, modules: dict[str, Path]) -> None:
@@ -95,8 +100,7 @@ def evaluate(a: argparse.Namespace, setting: str, base: Path, modules: dict[str,
     if not todo:
         return
     task = SETTINGS[setting][0]
-    rows = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
-    examples = [parse_row(r, line=i + 1) for i, r in enumerate(rows)]
+    examples = [parse_row(r, line=i + 1) for i, r in enumerate(held_out_rows(d))]
     t0 = time.perf_counter()
     preds = engine_answers(base, todo, examples, dtype="bfloat16", max_new_tokens=MAX_NEW[task],
                            threads=a.threads, include_base=False, progress=not a.quiet)
@@ -115,7 +119,7 @@ def joint_mix(a: argparse.Namespace) -> list[str]:
 def joint_name(a: argparse.Namespace) -> str:
     """``joint`` for the whole mixture, ``joint-<settings>`` for another (its base and its arms)."""
     mix = joint_mix(a)
-    return "joint" if mix == list({**SETTINGS, **MIXTURE_ONLY}) else "joint-" + "+".join(mix)
+    return "joint" if mix == list(MIXABLE) else "joint-" + "+".join(mix)
 
 
 def joint_base(a: argparse.Namespace) -> Path:
@@ -124,7 +128,7 @@ def joint_base(a: argparse.Namespace) -> Path:
         return out
     rows = []
     for setting in joint_mix(a):
-        task, diff = {**SETTINGS, **MIXTURE_ONLY}[setting]
+        task, diff = MIXABLE[setting]
         # each setting trains a decode adapter of its own during the joint stage
         rows += [{**r, "task": setting} for r in generate(task, a.joint_rows, seed=a.joint_seed, difficulty=diff)]
     mix = write_jsonl(rows, Path(a.out) / f"{joint_name(a)}-mixture.jsonl")
@@ -136,16 +140,16 @@ def joint_base(a: argparse.Namespace) -> Path:
 
 def stage_raw(a: argparse.Namespace, setting: str) -> None:
     d, base = setting_dir(a, setting), original_base(a)
-    trained(d / "standard", module_config(a, base, d / "train.jsonl", d / "standard", f"{setting}-standard",
+    train(d / "standard", module_config(a, base, d / "train.jsonl", d / "standard", f"{setting}-standard",
                                           cache_conditioned=False))
-    trained(d / "cache", module_config(a, base, d / "train.jsonl", d / "cache", f"{setting}-cache"))
+    train(d / "cache", module_config(a, base, d / "train.jsonl", d / "cache", f"{setting}-cache"))
     evaluate(a, setting, base, {"standard": d / "standard", "cache": d / "cache"})
 
 
 def stage_shared(a: argparse.Namespace, setting: str, k: int = 0) -> None:
     d, base = setting_dir(a, setting), joint_base(a)
     name = joint_name(a) if k == 0 else f"{joint_name(a)}-k{k}"
-    trained(d / name, module_config(a, base, d / "train.jsonl", d / name, f"{setting}-{name}", recompute=k))
+    train(d / name, module_config(a, base, d / "train.jsonl", d / name, f"{setting}-{name}", recompute=k))
     own = {}
     if k == 0 and a.own:  # the same module on its own prefill: how much of the arm is the joint base itself
         own = {f"{name}-own": d / f"{name}-own"}
@@ -184,7 +188,7 @@ def report(a: argparse.Namespace) -> dict:
                 k = t["config"].get("recompute", 0)
                 res["training"][arm]["prefill_saved_3_agents"] = round(1 - (layers + 2 * k) / (3 * layers), 4)
         if SETTINGS[setting][0] == "retrieval":  # each arm's wrong answers by kind
-            rows = [json.loads(line) for line in (d / "eval.jsonl").read_text().splitlines()]
+            rows = held_out_rows(d)
             res["errors"] = {arm: dict(collections.Counter(
                 e for e in (retrieval_error(r, x) for r, x in zip(rows, v["predictions"], strict=True)) if e))
                 for arm, v in preds.items()}
@@ -217,7 +221,7 @@ def main() -> None:
     p.add_argument("--joint-rows", type=int, default=400, help="rows per setting (and tool) in the joint mixture")
     p.add_argument("--joint-epochs", type=float, default=0.5)
     p.add_argument("--joint-seed", type=int, default=2)
-    p.add_argument("--joint-mix", default=",".join({**SETTINGS, **MIXTURE_ONLY}),
+    p.add_argument("--joint-mix", default=",".join(MIXABLE),
                    help="the settings (and tool) of the joint mixture; another mixture is another base, "
                         "its arms named joint-<settings>")
     p.add_argument("--no-own", dest="own", action="store_false",
@@ -231,7 +235,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     settings = [s for s in a.settings.split(",") if s]
     unknown = [s for s in settings if s not in SETTINGS]
-    unknown += [s for s in a.joint_mix.split(",") if s and s not in {**SETTINGS, **MIXTURE_ONLY}]
+    unknown += [s for s in a.joint_mix.split(",") if s and s not in MIXABLE]
     if unknown:
         p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
     if a.stage == "joint":

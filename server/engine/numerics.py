@@ -80,7 +80,8 @@ class ThreadChoice:
 def choose_threads(threads: int | None, env: Mapping[str, str] | None = None) -> ThreadChoice:
     """The thread budget of an engine process: the ``--threads`` option, else ``OMP_NUM_THREADS``
     (a launcher that shares the cores among processes sets it; read from ``env`` when given, the
-    environment of a process about to be started), else the physical cores this process may use (hyper-threads slow a memory-bound decode down).
+    environment of a process about to be started), else the physical cores this process may use
+    (hyper-threads slow a memory-bound decode down).
 
     >>> choose_threads(3).threads, choose_threads(3).source
     (3, 'option')

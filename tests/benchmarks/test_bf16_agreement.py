@@ -4,14 +4,13 @@ benchmarks/recorded/bf16_agreement.json, over the same prompts and the same firs
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from server.models.loader import default_model_dir
+from tests.benchmarks.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "benchmarks" / "recorded" / "bf16_agreement.json"
@@ -28,12 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bf16_agreement_script", ROOT / "benchmarks" / "bf16_agreement.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bf16_agreement")
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,17 @@
 """benchmarks/fidelity.py end to end on a tiny random model: every arm, a trained-recompute
 module, the layer split and a training variant are trained, scored and recorded."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def fidelity():
-    spec = importlib.util.spec_from_file_location("fidelity_script", ROOT / "benchmarks" / "fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("fidelity")
 
 
 def test_the_table_and_its_variants_are_recorded(fidelity, tiny_model_dir, tmp_path, monkeypatch):

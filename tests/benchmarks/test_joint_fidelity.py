@@ -1,22 +1,17 @@
 """benchmarks/joint_fidelity.py end to end on the tiny model: the joint base, arms (2), (4), (6)
 and (7) trained, answered through the engine on the same held-out rows, and paired to (2)."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("joint_fidelity_script", ROOT / "benchmarks" / "joint_fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("joint_fidelity")
 
 
 @pytest.mark.timeout(600)
