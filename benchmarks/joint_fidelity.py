@@ -118,6 +118,8 @@ def joint_mix(a: argparse.Namespace) -> list[str]:
 
 def joint_name(a: argparse.Namespace) -> str:
     """``joint`` for the whole mixture, ``joint-<settings>`` for another (its base and its arms)."""
+    if a.joint_name:
+        return a.joint_name
     mix = joint_mix(a)
     return "joint" if mix == list(MIXABLE) else "joint-" + "+".join(mix)
 
@@ -224,6 +226,9 @@ def main() -> None:
     p.add_argument("--joint-mix", default=",".join(MIXABLE),
                    help="the settings (and tool) of the joint mixture; another mixture is another base, "
                         "its arms named joint-<settings>")
+    p.add_argument("--joint-name", default=None,
+                   help="name of the joint base and its arms, for another budget of a mixture (default: from "
+                        "the mixture)")
     p.add_argument("--no-own", dest="own", action="store_false",
                    help="shared stage: skip the module on its own prefill (its evaluation prefills every row)")
     p.add_argument("--threads", type=int, default=1)

@@ -127,13 +127,13 @@ def split_depths(modules: Mapping[str, Path], model_dir: Path | None) -> tuple[i
     their manifests): where a prefill worker keeps the base's hidden state for them."""
     from transformers import AutoConfig
 
-    from server.models.loader import default_model_dir
+    from server.models.patch import resolve_model_dir
     from server.modules.manifest import Manifest
 
     ks = {m.recompute_layers for m in map(Manifest.read, modules.values()) if m is not None and m.recompute_layers}
     if not ks:
         return ()
-    layers = int(AutoConfig.from_pretrained(model_dir or default_model_dir()).num_hidden_layers)
+    layers = int(AutoConfig.from_pretrained(resolve_model_dir(model_dir)).num_hidden_layers)
     splits = {positions.split_layer(positions.Facts(shares_prefill=True, recompute_layers=k), layers) for k in ks}
     return tuple(sorted(s for s in splits if s > 0))  # k = L: a private prefill, nothing to keep
 
@@ -299,11 +299,11 @@ def serve_router(
     from server.api.app import create_app
     from server.api.logs import configure_logging
     from server.cluster.router import ClusterBackend
-    from server.models.loader import default_model_dir
+    from server.models.patch import resolve_model_dir
 
     configure_logging(config.log_level)
     tracing.configure("agentshare-router")
-    tokenizer = AutoTokenizer.from_pretrained(config.model_dir or default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(config.model_dir))
     backend = ClusterBackend.connect([w.rstrip("/") for w in workers], tokenizer, router, secret=secret,
                                      admin_key=admin_key)
     log.info("router", extra={"event": "router", "workers": ",".join(workers), "agents": ",".join(backend.facts.agents),

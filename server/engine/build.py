@@ -26,7 +26,8 @@ from server.engine.forward import LlamaForward
 from server.engine.modules import base_module, load_module
 from server.engine.numerics import choose_threads, dtype_name, resolve_dtype, set_threads
 from server.kv.family import family_digest
-from server.models.loader import default_model_dir, load_model
+from server.models.loader import load_model
+from server.models.patch import resolve_model_dir
 from server.process import keep_freed_memory
 
 log = logging.getLogger("agentshare.engine")
@@ -53,6 +54,7 @@ def load_engine(
     set_threads(threads)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev.type)
+    model_dir = resolve_model_dir(model_dir)
     loaded = load_model(model_dir)
     forward = LlamaForward.from_hf(loaded.model, dtype=dt, device=dev)
     family = family_digest(model_dir, kv_dtype=dtype_name(dt))
@@ -90,7 +92,7 @@ def start_engine(
     kept = keep_freed_memory()
 
     def build() -> EngineCore:
-        path = model_dir or default_model_dir()
+        path = resolve_model_dir(model_dir)
         log.info("loading", extra={"event": "load", "model_dir": str(path), "modules": ",".join(modules or {})})
         core = load_engine(path, modules=modules, dtype=dtype, threads=choice.threads, config=config,
                            base_name=base_name, device=dev)

@@ -282,9 +282,10 @@ def _main() -> None:
         spec = KernelSpec(**json.loads(args.spec))
     else:
         from server.engine.numerics import resolve_dtype
-        from server.models.loader import default_model_dir, load_model
+        from server.models.loader import load_model
+        from server.models.patch import resolve_model_dir
 
-        spec = KernelSpec.from_config(load_model(args.model_dir or default_model_dir()).model.config,
+        spec = KernelSpec.from_config(load_model(resolve_model_dir(args.model_dir)).model.config,
                                       resolve_dtype(args.dtype))
     with open(_lock_path(spec, args.dir), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per spec on this machine; a second waits, then finds them

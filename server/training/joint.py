@@ -33,7 +33,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -41,12 +41,16 @@ from transformers import DynamicCache
 
 from server.engine.device import resolve_device
 from server.kv.family import family_digest
+from server.models.patch import apply_patch, exact_scale, is_patch, resolve_model_dir, save_patch
 from server.training.dataset import Batch, DataError, collate, encode, read_jsonl, write_jsonl  # noqa: F401  (write_jsonl: the example)
 from server.training.split import _causal_lm
 from server.training.trainer import DEFAULT_TARGETS, BadOption, _schedule
 
 PREFILL = "prefill"
 RECORD = "agentshare-joint.json"
+PATCH_DIR = "patch"
+"""The base patch inside the joint base's directory (``server/models/patch.py``): the few MB to
+ship or commit instead of the base's weights."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,8 +96,13 @@ def train_joint(cfg: JointConfig) -> JointResult:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     out = Path(cfg.output)
+    given, patched = cfg.base, is_patch(cfg.base)  # a joint base trained on another: its patch is named as its base
+    cfg = dataclasses.replace(cfg, base=resolve_model_dir(cfg.base))
     if Path(cfg.base).resolve() == out.resolve():
         raise BadOption("--output must be a new directory: the joint base replaces nothing in place")
+    if not exact_scale(cfg.alpha / cfg.rank):
+        raise BadOption(f"--alpha / --rank must be a power of two (the base patch merges exactly), got "
+                        f"{cfg.alpha} / {cfg.rank}: e.g. --alpha {2 * cfg.rank}")
     examples = read_jsonl(cfg.data)
     missing = next((ex for ex in examples if not ex.task), None)
     if missing is not None:
@@ -138,18 +147,31 @@ def train_joint(cfg: JointConfig) -> JointResult:
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     bar.close()
 
-    merged = model.merge_and_unload(adapter_names=[PREFILL])  # the decode adapters are dropped
-    out.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    # The decode adapters are dropped; the prefill adapter, rounded to bf16, is the base patch,
+    # and the new base is built from it exactly as a patch is applied anywhere else
     seconds = time.perf_counter() - t0
-    family = family_digest(out, kv_dtype=cfg.kv_dtype)
     record = {"config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), "tasks": list(tasks),
               "steps": len(order), "examples": len(items), "seconds": round(seconds, 1),
-              "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4), "family": family,
+              "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
               "from_family": family_digest(cfg.base, kv_dtype=cfg.kv_dtype)}
-    (out / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    scale = cfg.alpha / cfg.rank
+    patch = save_patch(prefill_adapter(model), out / PATCH_DIR, base=cfg.base, scale=scale, record=record,
+                       base_name=str(Path(given).resolve()) if patched else None)
+    apply_patch(patch, out, base=cfg.base)
+    family = family_digest(out, kv_dtype=cfg.kv_dtype)
+    (out / RECORD).write_text(json.dumps({**record, "family": family, "patch": PATCH_DIR}, indent=2) + "\n")
     return JointResult(out, family, tasks, len(order), len(items), seconds, losses)
+
+
+def prefill_adapter(model: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The prefill adapter of a peft model: each adapted projection's name in the base model
+    (``model.layers.0.self_attn.q_proj``) -> ``(lora_A, lora_B)`` weights."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [(name, mod) for name, mod in model.base_model.model.named_modules()
+              if isinstance(mod, LoraLayer) and PREFILL in mod.lora_A]
+    return {name: (cast(torch.Tensor, mod.lora_A[PREFILL].weight), cast(torch.Tensor, mod.lora_B[PREFILL].weight))
+            for name, mod in layers}
 
 
 def _loss(model: Any, task: str, batch: Batch) -> torch.Tensor:

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from server.engine.device import resolve_device
 from server.kv.family import family_digest
+from server.models.patch import resolve_model_dir
 from server.modules.manifest import LoraSpec, Manifest, ModuleKind
 from server.prompt import Placement
 from server.training.dataset import DataError, check_family, collate, encode, read_jsonl
@@ -124,6 +125,7 @@ def finetune(cfg: FinetuneConfig) -> FinetuneResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
+    cfg = dataclasses.replace(cfg, base=resolve_model_dir(cfg.base))  # a base patch: the base it builds
     out = Path(cfg.output)
     family = check_base(cfg.base, out, kv_dtype=cfg.kv_dtype, family=cfg.family)
     examples = read_jsonl(cfg.data)

@@ -82,10 +82,10 @@ def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Pl
     from server.engine.device import DEFAULT_CPU_KV_BYTES
     from server.engine.numerics import dtype_name, resolve_dtype
     from server.kv.family import family_digest
-    from server.models.loader import default_model_dir
+    from server.models.patch import resolve_model_dir
     from server.vllm.launch import VllmInstances, plan_instances
 
-    model_dir = Path(config.model_dir) if config.model_dir else default_model_dir()
+    model_dir = resolve_model_dir(config.model_dir)
     dtype = dtype_name(resolve_dtype(config.dtype))
     family = family_digest(model_dir, kv_dtype=dtype)
     kv_bytes = config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES  # each instance's --kv-cache-memory-bytes

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -13,11 +14,12 @@ from server.cli import app
 from server.engine.build import load_engine
 from server.engine.core import EngineConfig
 from server.kv.family import family_digest
+from server.models.patch import read_patch, resolve_model_dir
 from server.modules.manifest import Manifest
 from server.training.dataset import write_jsonl
-from server.training.joint import JointConfig, _order, train_joint
+from server.training.joint import PATCH_DIR, JointConfig, _order, train_joint
 from server.training.tasks import Difficulty, generate
-from server.training.trainer import FinetuneConfig, finetune
+from server.training.trainer import BadOption, FinetuneConfig, finetune
 
 SMALL = Difficulty(records=3, chains=1, chain_length=2, tools=1)
 
@@ -27,7 +29,8 @@ def mixture(path, n=8):
     return write_jsonl(rows, path)
 
 
-def test_the_joint_base_is_a_new_family_whose_prefill_learned(tiny_model_dir, tmp_path):
+def test_the_joint_base_is_a_new_family_whose_prefill_learned(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTSHARE_CACHE_DIR", str(tmp_path / "cache"))
     from transformers import AutoModelForCausalLM
 
     data = mixture(tmp_path / "mix.jsonl")
@@ -45,6 +48,12 @@ def test_the_joint_base_is_a_new_family_whose_prefill_learned(tiny_model_dir, tm
     assert set(before) == set(after)  # a plain model: the adapter merged, no peft left
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all("proj" in k for k in moved)  # only the adapted projections changed
+    # its patch (the prefill adapter in bf16) rebuilds the same base: what ships instead of the weights
+    assert record["patch"] == PATCH_DIR and read_patch(tmp_path / "joint" / PATCH_DIR)["record"]["steps"] == 12
+    rebuilt = resolve_model_dir(tmp_path / "joint" / PATCH_DIR)
+    assert family_digest(rebuilt, kv_dtype="float32") == res.family
+    patch_bytes = sum(f.stat().st_size for f in (tmp_path / "joint" / PATCH_DIR).iterdir())
+    assert patch_bytes < (tmp_path / "joint" / "model.safetensors").stat().st_size / 4
     # a decode module trained on the joint base joins its family and is served from its prefill
     mod = finetune(FinetuneConfig(base=tmp_path / "joint", data=data, output=tmp_path / "coder", name="coder",
                                   rank=4, alpha=8, target_modules=("q_proj", "v_proj"), batch_size=4, lr=1e-2,
@@ -70,3 +79,10 @@ def test_the_command_needs_every_row_to_name_its_task(tiny_model_dir, tmp_path):
     data = write_jsonl(rows, tmp_path / "d.jsonl")
     r = CliRunner().invoke(app, ["finetune-joint", str(data), "-o", str(tmp_path / "j"), "--base", str(tiny_model_dir)])
     assert r.exit_code == 2 and "d.jsonl:2" in r.output and "'task'" in r.output
+
+
+def test_a_scale_that_cannot_merge_exactly_is_refused_before_training(tiny_model_dir, tmp_path):
+    data = mixture(tmp_path / "mix.jsonl", n=2)
+    with pytest.raises(BadOption, match="power of two"):
+        train_joint(JointConfig(base=tiny_model_dir, data=data, output=tmp_path / "j", rank=4, alpha=6, progress=False))
+    assert not (tmp_path / "j").exists()
