@@ -28,6 +28,8 @@ app = typer.Typer(
 
 
 _SECRET_ENV, _ADMIN_ENV = "AGENTSHARE_CLUSTER_SECRET", "AGENTSHARE_ADMIN_KEY"  # server.cluster.auth's
+MODEL_HELP = ("base model directory, or a base patch (a joint base's few MB: built once in the cache); "
+              "default: SmolLM2-135M-Instruct")
 _SECRET_HELP = (f"file (mode 0600) holding the cluster secret (`agentshare cluster-secret PATH` makes one), or "
                 f"{_SECRET_ENV}; a launched set gets one from its launcher")
 
@@ -66,7 +68,7 @@ def finetune(
     data: Annotated[Path, typer.Argument(help="JSONL rows: context, instruction, response")],
     output: Annotated[Path, typer.Option("--output", "-o", help="module directory to write")],
     name: Annotated[str, typer.Option(help="module name (letters, digits, . _ -)")],
-    base: Annotated[Path | None, typer.Option(help="base model directory (default: SmolLM2-135M-Instruct)")] = None,
+    base: Annotated[Path | None, typer.Option(help=MODEL_HELP)] = None,
     kind: str = typer.Option("lora", help="lora or full"),
     rank: int = typer.Option(16), alpha: float = typer.Option(32.0),
     target: Annotated[list[str] | None, typer.Option(help="LoRA target module (repeat); default: all projections")] = None,
@@ -94,7 +96,7 @@ def finetune(
 def finetune_joint(
     data: Annotated[Path, typer.Argument(help="JSONL rows of every task of the family, each naming its 'task'")],
     output: Annotated[Path, typer.Option("--output", "-o", help="directory of the new base model to write")],
-    base: Annotated[Path | None, typer.Option(help="base model directory (default: SmolLM2-135M-Instruct)")] = None,
+    base: Annotated[Path | None, typer.Option(help=MODEL_HELP)] = None,
     rank: int = typer.Option(16, help="rank of the shared prefill adapter"), alpha: float = typer.Option(32.0),
     decode_rank: int = typer.Option(8, help="rank of each task's decode adapter during this stage"),
     epochs: float = typer.Option(1.0), batch_size: int = typer.Option(8), lr: float = typer.Option(1e-3),
@@ -114,7 +116,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
     port: int = typer.Option(8000),
     model: Path | None = typer.Option(None, envvar="AGENTSHARE_MODEL",
-                                      help="base model directory (default: SmolLM2-135M-Instruct)"),
+                                      help=MODEL_HELP),
     module: list[str] | None = typer.Option(None, help="agent as NAME=PATH to a decode module (repeat)"),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16"),
     threads: int | None = typer.Option(None, help="torch threads (default: OMP_NUM_THREADS, else the physical cores this process may use; logged at start)"),
@@ -223,7 +225,7 @@ def serve(
 def worker(
     role: str = typer.Option(..., help="prefill or decode"),
     host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8101),
-    model: Path | None = typer.Option(None, help="base model directory (default: SmolLM2-135M-Instruct)"),
+    model: Path | None = typer.Option(None, help=MODEL_HELP),
     module: list[str] | None = typer.Option(None, help="decode workers: agent as NAME=PATH (repeat)"),
     dtype: str = typer.Option("auto"), threads: int | None = typer.Option(None),
     cpus: str | None = typer.Option(None, help="cores to run on, e.g. 0,1"),
@@ -273,7 +275,7 @@ def vllm_node(
     advertise: str | None = typer.Option(None, help="host name the frontend reaches the KV receiver at "
                                          "(default: --host)"),
     model: Path | None = typer.Option(None, envvar="AGENTSHARE_MODEL",
-                                      help="base model directory (default: SmolLM2-135M-Instruct); the frontend's"),
+                                      help=MODEL_HELP + "; the frontend's"),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16; the frontend's"),
     kv_cache: str = typer.Option("1GiB", help="each instance's vLLM KV cache, e.g. 512MiB"),
     kv_store: str = typer.Option("2GiB", help="shared-memory store of prefix KV"),
@@ -302,7 +304,7 @@ def vllm_node(
 def router(
     worker: Annotated[list[str], typer.Option(help="worker URL (repeat); more can join later")],
     host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8000),
-    model: Path | None = typer.Option(None, help="base model directory, for the tokenizer"),
+    model: Path | None = typer.Option(None, help="base model directory or base patch, for the tokenizer"),
     api_key: list[str] | None = typer.Option(None, envvar="AGENTSHARE_API_KEYS"),
     transfer_codec: str = typer.Option("bf16", parser=_CODEC, metavar="CODEC"), transport: str = typer.Option("auto", help="shm, tcp or auto"),
     placement_policy: str = typer.Option("offload", parser=_PLACEMENT, metavar=_POLICIES),
