@@ -142,10 +142,10 @@ def joint_base(a: argparse.Namespace) -> Path:
 
 def stage_raw(a: argparse.Namespace, setting: str) -> None:
     d, base = setting_dir(a, setting), original_base(a)
-    train(d / "standard", module_config(a, base, d / "train.jsonl", d / "standard", f"{setting}-standard",
-                                          cache_conditioned=False))
-    train(d / "cache", module_config(a, base, d / "train.jsonl", d / "cache", f"{setting}-cache"))
-    evaluate(a, setting, base, {"standard": d / "standard", "cache": d / "cache"})
+    arms = {"standard": dict(cache_conditioned=False), "cache": {}}
+    for arm in a.raw_arms.split(","):
+        train(d / arm, module_config(a, base, d / "train.jsonl", d / arm, f"{setting}-{arm}", **arms[arm]))
+    evaluate(a, setting, base, {arm: d / arm for arm in a.raw_arms.split(",")})
 
 
 def stage_shared(a: argparse.Namespace, setting: str, k: int = 0) -> None:
@@ -226,6 +226,8 @@ def main() -> None:
     p.add_argument("--joint-mix", default=",".join(MIXABLE),
                    help="the settings (and tool) of the joint mixture; another mixture is another base, "
                         "its arms named joint-<settings>")
+    p.add_argument("--raw-arms", default="standard,cache", choices=["standard,cache", "standard", "cache"],
+                   help="raw stage: the arms on the original base, (2) standard and (4) cache")
     p.add_argument("--joint-name", default=None,
                    help="name of the joint base and its arms, for another budget of a mixture (default: from "
                         "the mixture)")

@@ -25,6 +25,8 @@ def test_every_arm_is_paired_to_the_standard_module(script, tiny_model_dir, tmp_
         script.main()
         return json.loads((out / "r.json").read_text())
 
+    r = run("--stage", "raw", "--raw-arms", "standard")  # (2) alone; (4) joins it on the next run
+    assert set(r["results"]["team8"]["accuracy"]) == {"standard"}
     run("--stage", "raw")
     run("--stage", "shared")
     r = run("--stage", "recompute", "--k", "team8=1")
@@ -54,3 +56,6 @@ def test_every_arm_is_paired_to_the_standard_module(script, tiny_model_dir, tmp_
     assert sorted(r["joint_bases"]) == ["joint", "joint-team8"] and r["joint_bases"]["joint-team8"]["tasks"] == ["team8"]
     assert "joint-team8" in r["results"]["team8"]["accuracy"]
     assert "joint-team8-own" not in r["results"]["team8"]["accuracy"]
+    # another budget of a mixture is named on the command line
+    r = run("--stage", "shared", "--joint-mix", "team8", "--joint-rows", "8", "--joint-name", "joint-long", "--no-own")
+    assert r["joint_bases"]["joint-long"]["examples"] == 8 and "joint-long" in r["results"]["team8"]["accuracy"]
