@@ -188,7 +188,8 @@ def report(a: argparse.Namespace) -> dict:
                 t = json.loads((d / arm / "training.json").read_text())
                 res["training"][arm] = {k: t[k] for k in ("steps", "seconds", "final_loss")}
                 k = t["config"].get("recompute", 0)
-                res["training"][arm]["prefill_saved_3_agents"] = round(1 - (layers + 2 * k) / (3 * layers), 4)
+                if t["config"].get("cache_conditioned", True):  # a standard module prefills on its own: saves none
+                    res["training"][arm]["prefill_saved_3_agents"] = round(1 - (layers + 2 * k) / (3 * layers), 4)
         if SETTINGS[setting][0] == "retrieval":  # each arm's wrong answers by kind
             rows = held_out_rows(d)
             res["errors"] = {arm: dict(collections.Counter(

@@ -51,6 +51,7 @@ def test_every_arm_is_paired_to_the_standard_module(script, tiny_model_dir, tmp_
     # three agents, one at k layers recomputed of 3: (3 + 2·1) / 9 of the private prefills
     assert res["training"]["joint-k1"]["prefill_saved_3_agents"] == pytest.approx(1 - 5 / 9, abs=1e-4)
     assert res["training"]["joint"]["prefill_saved_3_agents"] == pytest.approx(2 / 3, abs=1e-4)
+    assert "prefill_saved_3_agents" not in res["training"]["standard"]  # its own prefill: it shares none
     # another mixture is another base, and its arms are named after it
     r = run("--stage", "shared", "--joint-mix", "team8", "--no-own")
     assert sorted(r["joint_bases"]) == ["joint", "joint-team8"] and r["joint_bases"]["joint-team8"]["tasks"] == ["team8"]
