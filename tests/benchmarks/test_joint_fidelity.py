@@ -57,6 +57,7 @@ def test_every_arm_is_paired_to_the_standard_module(script, tiny_model_dir, tmp_
     assert sorted(r["joint_bases"]) == ["joint", "joint-team8"] and r["joint_bases"]["joint-team8"]["tasks"] == ["team8"]
     assert "joint-team8" in r["results"]["team8"]["accuracy"]
     assert "joint-team8-own" not in r["results"]["team8"]["accuracy"]
-    # another budget of a mixture is named on the command line
-    r = run("--stage", "shared", "--joint-mix", "team8", "--joint-rows", "8", "--joint-name", "joint-long", "--no-own")
-    assert r["joint_bases"]["joint-long"]["examples"] == 8 and "joint-long" in r["results"]["team8"]["accuracy"]
+    # another budget of a mixture is named on the command line: a base and arms of its own
+    r = run("--stage", "shared", "--joint-mix", "team8", "--joint-epochs", "1", "--joint-name", "joint-long", "--no-own")
+    assert (r["joint_bases"]["joint-long"]["epochs"], r["joint_bases"]["joint-team8"]["epochs"]) == (1.0, 0.5)
+    assert "joint-long" in r["results"]["team8"]["accuracy"]
