@@ -105,3 +105,14 @@ def test_the_engine_serves_a_patch_as_its_base(tiny_model_dir, tmp_path, cache):
     core = load_engine(p, dtype="float32", config=EngineConfig(kv_cache_bytes=16 << 20))
     assert core.family == family_digest(resolve_model_dir(p), kv_dtype="float32")
     assert core.family != family_digest(tiny_model_dir, kv_dtype="float32")
+
+
+def test_a_patch_on_a_patched_base_builds_the_chain(tiny_model_dir, tmp_path, cache):
+    first = save_patch(adapter(tiny_model_dir, seed=0), tmp_path / "first", base=tiny_model_dir, scale=2.0)
+    middle = resolve_model_dir(first)
+    second = save_patch(adapter(tiny_model_dir, seed=1), tmp_path / "second", base=middle, scale=2.0,
+                        base_name=str(first))  # as finetune-joint names a patch it was trained on
+    assert read_patch(second)["base"] == str(first)
+    built = resolve_model_dir(second)
+    assert family_digest(built, kv_dtype="float32") == read_patch(second)["family"]
+    assert len({family_digest(d, kv_dtype="float32") for d in (tiny_model_dir, middle, built)}) == 3
