@@ -25,6 +25,7 @@ import importlib.util
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,10 +101,9 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     steps = ["config", "weights", "tokenizer", "save"]
-    try:
+
+    def build(tmp: Path) -> None:
         with tqdm(total=len(steps), desc=f"converting {gguf.name}", disable=not progress) as bar:
             # local_files_only: the GGUF is on disk, and the tokenizer config records this flag,
             # which the family digest covers: left to the environment (HF_HUB_OFFLINE), two
@@ -126,13 +126,24 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
                 json.dumps({"source": str(gguf), "sha256": _file_digest(gguf)}, indent=2)
             )
             bar.update()
+
+    return build_atomically(target, CONVERSION_MARKER, build)
+
+
+def build_atomically(target: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """Make the directory ``target`` by ``build(tmp)`` in a temporary sibling, which must write
+    ``marker`` last, then rename it into place: an interrupted build leaves nothing behind, and
+    where another process finishes first, its (equivalent) directory is kept."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
         tmp.chmod(0o755)  # mkdtemp creates it private; the finished model is not a secret
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / CONVERSION_MARKER).is_file():
+            if not (target / marker).is_file():
                 raise
-            # another process won the race; its directory is equivalent
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -44,7 +44,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from server.models.loader import CONVERSION_MARKER, DEFAULT_GGUF, ModelLoadError, default_model_dir
+from server.models.loader import (
+    CONVERSION_MARKER,
+    DEFAULT_GGUF,
+    ModelLoadError,
+    build_atomically,
+    default_model_dir,
+)
 from server.paths import cache_dir
 
 PATCH_FILE = "agentshare-patch.json"
@@ -186,25 +192,17 @@ def resolve_model_dir(path: Path | str | None) -> Path:
     target = cache_dir() / "models" / f"patched-{meta['family'][:16]}"
     if (target / _MARKER).is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         apply_patch(path, tmp)
-        found = family_digest(tmp, kv_dtype="float32", cache_dir=tmp.parent / f"{tmp.name}.digests")
+        with tempfile.TemporaryDirectory() as digests:
+            found = family_digest(tmp, kv_dtype="float32", cache_dir=Path(digests))
         if found != meta["family"]:
             raise ModelLoadError(f"the base patch {path} rebuilt a base of family {found[:12]}, not the "
                                  f"{meta['family'][:12]} it records: the patch or its base was changed")
         (tmp / _MARKER).write_text(json.dumps({"patch": str(path.resolve()), "family": found}, indent=2) + "\n")
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / _MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(tmp.parent / f"{tmp.name}.digests", ignore_errors=True)
-    return target
+
+    return build_atomically(target, _MARKER, build)
 
 
 def _is_default(base: Path | str) -> bool:
