@@ -5,6 +5,9 @@ Settings (the study's, ``docs/finetune.md``): retrieval by name over 16 records,
 role and team over 8 records, planning over 3 chains of 3. Per setting, through the engine (bf16):
 
 - (2) ``standard``: a standard LoRA on the original base, served on its own prefill;
+- (2') ``standard-equal``: the same, trained on its rows plus the joint mixture's rows of the
+  setting (``--raw-arms standard-equal``): a joint arm's whole exposure to the task, so that a
+  joint arm that beats (2) is not credited with rows (2) never saw;
 - (4) ``cache``: a cache-conditioned LoRA on the original base, at full sharing (k = 0);
 - (6) ``joint``: a cache-conditioned LoRA on the jointly trained base, at full sharing;
 - (7) ``joint-k<k>``: the same, trained and served with its top k layers recomputed (``--k``).
@@ -140,12 +143,30 @@ def joint_base(a: argparse.Namespace) -> Path:
     return out
 
 
+RAW_ARMS = ("standard", "cache", "standard-equal")
+"""The raw stage's arms on the original base: (2), (4) and (2')."""
+
+
+def equal_rows(a: argparse.Namespace, setting: str) -> Path:
+    """Arm (2')'s rows: the setting's training rows, then the joint mixture's rows of it (the
+    same ``--joint-rows`` of ``--joint-seed`` that :func:`joint_base` draws)."""
+    d = setting_dir(a, setting)
+    path = d / f"train-equal-{a.joint_rows}-{a.joint_seed}.jsonl"
+    if not path.is_file():
+        task, diff = SETTINGS[setting]
+        rows = [json.loads(line) for line in (d / "train.jsonl").read_text().splitlines()]
+        write_jsonl(rows + generate(task, a.joint_rows, seed=a.joint_seed, difficulty=diff), path)
+    return path
+
+
 def stage_raw(a: argparse.Namespace, setting: str) -> None:
     d, base = setting_dir(a, setting), original_base(a)
-    arms = {"standard": dict(cache_conditioned=False), "cache": {}}
-    for arm in a.raw_arms.split(","):
-        train(d / arm, module_config(a, base, d / "train.jsonl", d / arm, f"{setting}-{arm}", **arms[arm]))
-    evaluate(a, setting, base, {arm: d / arm for arm in a.raw_arms.split(",")})
+    arms = a.raw_arms.split(",")
+    for arm in arms:
+        kw = {} if arm == "cache" else dict(cache_conditioned=False)
+        data = equal_rows(a, setting) if arm == "standard-equal" else d / "train.jsonl"
+        train(d / arm, module_config(a, base, data, d / arm, f"{setting}-{arm}", **kw))
+    evaluate(a, setting, base, {arm: d / arm for arm in arms})
 
 
 def stage_shared(a: argparse.Namespace, setting: str, k: int = 0) -> None:
@@ -178,7 +199,8 @@ def report(a: argparse.Namespace) -> dict:
         if not path.is_file():
             continue
         preds = json.loads(path.read_text())
-        res: dict = {"accuracy": {}, "minus_standard": {}, "minus_cache": {}, "training": {}, "eval_seconds": {}}
+        res: dict = {"accuracy": {}, "minus_standard": {}, "minus_cache": {}, "minus_equal": {}, "training": {},
+                     "eval_seconds": {}}
         for arm, v in preds.items():
             res["accuracy"][arm] = sum(v["correct"]) / len(v["correct"])
             res["eval_seconds"][arm] = v["eval_seconds"]
@@ -198,6 +220,9 @@ def report(a: argparse.Namespace) -> dict:
         if "cache" in preds:  # what the joint base changes at the same k = 0 (and what k adds)
             res["minus_cache"] = {arm: paired_bootstrap(v["correct"], preds["cache"]["correct"])
                                   for arm, v in preds.items() if arm not in ("standard", "cache")}
+        if "standard-equal" in preds:  # the joint arms against a standard module of the same exposure
+            res["minus_equal"] = {arm: paired_bootstrap(v["correct"], preds["standard-equal"]["correct"])
+                                  for arm, v in preds.items() if arm.startswith("joint")}
         out["results"][setting] = res
     return out
 
@@ -227,8 +252,10 @@ def main() -> None:
     p.add_argument("--joint-mix", default=",".join(MIXABLE),
                    help="the settings (and tool) of the joint mixture; another mixture is another base, "
                         "its arms named joint-<settings>")
-    p.add_argument("--raw-arms", default="standard,cache", choices=["standard,cache", "standard", "cache"],
-                   help="raw stage: the arms on the original base, (2) standard and (4) cache")
+    p.add_argument("--raw-arms", default="standard,cache",
+                   help="raw stage: the arms on the original base, comma-separated: (2) standard, (4) cache, "
+                        "(2') standard-equal (trained on the joint mixture's rows of the setting too: give the "
+                        "joint base's --joint-rows and --joint-seed)")
     p.add_argument("--joint-name", default=None,
                    help="name of the joint base and its arms, for another budget of a mixture (default: from "
                         "the mixture)")
@@ -246,6 +273,9 @@ def main() -> None:
     unknown += [s for s in a.joint_mix.split(",") if s and s not in MIXABLE]
     if unknown:
         p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
+    bad_arms = [arm for arm in a.raw_arms.split(",") if arm not in RAW_ARMS]
+    if bad_arms or not a.raw_arms:
+        p.error(f"unknown --raw-arms {', '.join(bad_arms) or '(none)'}; choose from {', '.join(RAW_ARMS)}")
     if a.stage == "joint":
         joint_base(a)
     elif a.stage == "raw":

@@ -61,3 +61,15 @@ def test_every_arm_is_paired_to_the_standard_module(script, tiny_model_dir, tmp_
     r = run("--stage", "shared", "--joint-mix", "team8", "--joint-epochs", "1", "--joint-name", "joint-long", "--no-own")
     assert (r["joint_bases"]["joint-long"]["epochs"], r["joint_bases"]["joint-team8"]["epochs"]) == (1.0, 0.5)
     assert "joint-long" in r["results"]["team8"]["accuracy"]
+    # (2'): a standard module on its rows plus the joint mixture's rows of the setting, the joint arms paired to it
+    r = run("--stage", "raw", "--raw-arms", "standard-equal")
+    res = r["results"]["team8"]
+    assert res["training"]["standard-equal"]["steps"] == 2 * res["training"]["standard"]["steps"]  # 8 + 4 rows
+    equal = [json.loads(x)["context"] for x in (out / "team8" / "train-equal-4-2.jsonl").read_text().splitlines()]
+    train = [json.loads(x)["context"] for x in (out / "team8" / "train.jsonl").read_text().splitlines()]
+    mixed = [row["context"] for row in mixture if row["task"] == "team8"]
+    assert equal == train + mixed
+    assert set(res["minus_equal"]) == {"joint", "joint-own", "joint-k1", "joint-team8", "joint-long"}
+    assert res["minus_equal"]["joint"]["n"] == 6
+    with pytest.raises(SystemExit):
+        run("--stage", "raw", "--raw-arms", "standard,private")
