@@ -7,7 +7,7 @@ read the shared prefix at full sharing (k = 0) as well as the layer split does?
    shipped one was (rank 8, one epoch, the same rows);
 3. both through the engine (bf16) on the same held-out episodes as the shipped module's record,
    paired: the joint arm at full sharing, the same module on its own prefill, and the shipped
-   module (original base, its layer split), with paired bootstrap intervals.
+   module (on the base it ships with, at its layer split), with paired bootstrap intervals.
 
     python benchmarks/joint_prefill.py --task retrieval --json benchmarks/recorded/joint_prefill_retrieval.json
 """
@@ -78,7 +78,7 @@ def main() -> None:
     preds = engine_answers(joint_dir, {"joint": module, "joint_own": own}, examples, dtype="bfloat16",
                            max_new_tokens=team.MAX_NEW[task], threads=a.threads, include_base=True)
     shipped_dir = ROOT / "examples" / "modules" / agent
-    shipped = engine_answers(base, {"shipped": shipped_dir}, examples, dtype="bfloat16",
+    shipped = engine_answers(team.team_base(), {"shipped": shipped_dir}, examples, dtype="bfloat16",
                              max_new_tokens=team.MAX_NEW[task], threads=a.threads, include_base=True)
     correct = {k: accuracy(task, v, examples) for k, v in {**preds, **shipped}.items()}
     record = json.loads((shipped_dir / "heldout.json").read_text())

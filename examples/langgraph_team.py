@@ -1,8 +1,8 @@
 """A LangGraph team over ONE shared context: retrieval, then planning ∥ coding (fan-out), pinned
 only while a node still reads it; then the coding agent checks the deployment with a tool.
 
-    python examples/langgraph_team.py                  # launches a local server (default model,
-                                                       # the shipped coding module)
+    python examples/langgraph_team.py                  # launches a local server (the shipped
+                                                       # team's base and its coding module)
     python examples/langgraph_team.py --url http://127.0.0.1:8000 --tool-agent coding
 
     START ─> context ─> retrieval ─┬─> planning ─┐ (fan_out: one Send each,   ─> verify ─> END
@@ -34,6 +34,8 @@ from agentshare.langgraph import Retention, TeamState, agent_node, context_node,
 HERE = Path(__file__).resolve().parent
 DOC = HERE / "data" / "incident-report.md"
 CODING = HERE / "modules" / "coding"
+TEAM_BASE = HERE / "modules" / "team-base"
+"""The shipped modules' base: the default model with the team's joint prefill patch."""
 DEPLOYED = {"ledger-writer": "4.18.2", "ledger-replica": "4.17.0", "checkout": "9.3.1"}
 VERIFY = "Which version of ledger-writer is deployed now?"
 
@@ -107,11 +109,11 @@ async def main(args: argparse.Namespace) -> int:
     if args.url:
         client = AsyncClient(args.url)
         tool_agent = args.tool_agent or "base"
-    else:  # the shipped coding module is trained for the default model in bf16
+    else:  # the shipped coding module is trained for the team's base (a patch of the default model), bf16
         print("starting a local agentshare server ...")
         shipped = (CODING / "adapter_model.safetensors").is_file()
         client = AsyncClient(server_args=["--log-level", "warning"], dtype="bfloat16",
-                             modules={"coding": CODING} if shipped else None)
+                             model=str(TEAM_BASE) if shipped else None, modules={"coding": CODING} if shipped else None)
         tool_agent = args.tool_agent or ("coding" if shipped else "base")
     async with client:
         before = await client.metrics()

@@ -1,7 +1,7 @@
 """The LangGraph team of ``langgraph_team.py`` through plain ``langchain_openai.ChatOpenAI``
 pointed at an agentshare server: no agentshare SDK in the graph.
 
-    python examples/langgraph_team_openai.py            # launches a local server (default model)
+    python examples/langgraph_team_openai.py            # launches a local server (the team's base)
     python examples/langgraph_team_openai.py --url http://127.0.0.1:8000
 
 The sharing comes from the server's prefix cache: a chat request's messages but the last are
@@ -26,6 +26,8 @@ import anyio
 HERE = Path(__file__).resolve().parent
 DOC = HERE / "data" / "incident-report.md"
 CODING = HERE / "modules" / "coding"
+TEAM_BASE = HERE / "modules" / "team-base"
+"""The shipped modules' base: the default model with the team's joint prefill patch."""
 DEPLOYED = {"ledger-writer": "4.18.2", "ledger-replica": "4.17.0", "checkout": "9.3.1"}
 VERIFY = "Which version of ledger-writer is deployed now?"
 
@@ -117,10 +119,10 @@ async def main(args: argparse.Namespace) -> int:
     if args.url:
         client = AsyncClient(args.url)
         tool_agent = args.tool_agent or "base"
-    else:  # the shipped coding module is trained for the default model in bf16
+    else:  # the shipped coding module is trained for the team's base (a patch of the default model), bf16
         shipped = (CODING / "adapter_model.safetensors").is_file()
         client = AsyncClient(server_args=["--log-level", "warning"], dtype="bfloat16",
-                             modules={"coding": CODING} if shipped else None)
+                             model=str(TEAM_BASE) if shipped else None, modules={"coding": CODING} if shipped else None)
         tool_agent = args.tool_agent or ("coding" if shipped else "base")
     async with client:
         assert client.base_url is not None

@@ -1,6 +1,6 @@
 """Three agents — retrieval, planning, coding — over ONE shared context: an incident report.
 
-    python examples/three_agents.py                 # launches a local server (default model)
+    python examples/three_agents.py                 # launches a local server (the team's base)
     python examples/three_agents.py --url http://127.0.0.1:8000 --api-key K ...   # see --help
 
 It runs the team twice on the same server, side by side:
@@ -12,8 +12,9 @@ It runs the team twice on the same server, side by side:
   same prompts; only the sharing differs.
 
 Trained decode modules in ``examples/modules/<agent>/`` (retrieval, planning, coding; made by
-``examples/train_team.py``) are served and used; without them every agent runs on the base
-model. With them, a second part runs the team on held-out episodes of the tasks they were
+``examples/train_team.py``) are served and used, on the base they were trained for: the default
+model with the team's joint prefill patch (``examples/modules/team-base/``), built once in the
+cache on the first run. Without them every agent runs on the base model. With them, a second part runs the team on held-out episodes of the tasks they were
 trained on and scores it, sharing on against each module on its own prefill
 (``examples/team_episodes.py``; ``--episodes 0`` skips it).
 """
@@ -37,6 +38,8 @@ from agentshare import Agent, AsyncClient, ForkResult, Sampling, ServerMetrics
 HERE = Path(__file__).resolve().parent
 DOC = HERE / "data" / "incident-report.md"
 MODULES = HERE / "modules"
+TEAM_BASE = MODULES / "team-base"
+"""The shipped modules' base: a patch of the default model (the team's joint prefill)."""
 RECORDED = HERE.parent / "benchmarks" / "recorded" / "bf16_agreement.json"
 
 TEAM = (
@@ -119,8 +122,10 @@ def _mean_ttft(r: ForkResult) -> float:
 
 async def main(args: argparse.Namespace) -> int:
     document = Path(args.doc).read_text()
-    # the shipped modules are trained for the default model: with another --model, give --modules
+    # the shipped modules are trained for the team's base: with another --model, give --modules
     modules_dir = Path(args.modules) if args.modules else (MODULES if args.model is None else None)
+    if args.model is None and args.modules is None and not args.url and TEAM_BASE.is_dir():
+        args.model = str(TEAM_BASE)
     modules = ({p.name: p for p in sorted(modules_dir.iterdir()) if p.is_dir()}
                if modules_dir is not None and modules_dir.is_dir() else {})
     names = {name for name, _ in TEAM}
@@ -143,12 +148,14 @@ async def main(args: argparse.Namespace) -> int:
             served = {**served, **team_episodes.own_copies(scored, Path(tmp.name))}
         client = AsyncClient(api_key=shared_key, model=args.model, modules=served, dtype=args.dtype,
                              threads=args.threads, server_args=extra, startup_timeout=args.startup_timeout)
-        print("starting a local agentshare server (the first run converts the default model, ~20 s) ...")
+        print("starting a local agentshare server (the first run converts the default model and applies the "
+              "team's patch, ~30 s) ...")
     agents = team(set(served), args.max_tokens)
     async with client:
         base_url = client.base_url
         assert base_url is not None
         print(f"server {base_url}; agents served: {', '.join(s.name for s in await client.agents())}")
+        print(f"base model: {args.model or 'the default model'}")
         print(f"shared context: {DOC.name if args.doc == str(DOC) else args.doc}")
         if not args.url:  # pay torch's first-call costs outside both arms
             async with AsyncClient(base_url, api_key=warm_key) as warm, await warm.context(document[:2000]) as ctx:
@@ -189,9 +196,9 @@ async def main(args: argparse.Namespace) -> int:
 def _num_layers(model: str | None) -> int:
     from transformers import AutoConfig
 
-    from server.models.loader import default_model_dir
+    from server.models.patch import resolve_model_dir
 
-    return int(AutoConfig.from_pretrained(model or default_model_dir()).num_hidden_layers)
+    return int(AutoConfig.from_pretrained(resolve_model_dir(model)).num_hidden_layers)
 
 
 def numerics_note(same: bool, dtype: str) -> str:
@@ -221,7 +228,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--doc", default=str(DOC), help="the shared context (a text file)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each agent generates")
-    p.add_argument("--model", default=None, help="base model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="base model directory or base patch (default: the shipped team's base, examples/modules/"
+                        "team-base, a patch of SmolLM2-135M-Instruct; without it, the default model)")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the launched server")
     p.add_argument("--startup-timeout", type=float, default=300.0)

@@ -1,6 +1,8 @@
-"""The trained team that ships in examples/modules/: each module joins the default model's family
-with its recorded layer split, fits in a few MB, and reproduces its recorded accuracy on the
-check episodes through the engine (bf16, its base computing the shared context first)."""
+"""The trained team that ships in examples/modules/: its base is a small patch of the default
+model (the team's joint prefill) that rebuilds the family it records; each module joins that
+base's family with its recorded layer split, fits in a few MB, and reproduces its recorded
+accuracy on the check episodes through the engine (bf16, its base computing the shared context
+first)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from server.kv.family import family_digest
-from server.models.loader import default_model_dir
+from server.models.patch import read_patch
 from server.modules.manifest import Manifest
 from server.modules.registry import identify
 
@@ -30,8 +32,16 @@ def team():
 
 
 @pytest.fixture(scope="module")
-def family() -> str:
-    return family_digest(default_model_dir(progress=False), kv_dtype="bfloat16")
+def family(team) -> str:
+    return family_digest(team.team_base(), kv_dtype="bfloat16")
+
+
+def test_the_team_base_is_a_small_patch_of_the_default_model(team) -> None:
+    patch = read_patch(team.BASE_PATCH)
+    assert patch["base"] == "default" and patch["rank"] == 16
+    assert sum(p.stat().st_size for p in team.BASE_PATCH.iterdir()) < 12 << 20  # 9.4 MB, not the 540 MB base
+    # built (or found) in the cache, it is the family the patch records (resolve_model_dir checks the build)
+    assert family_digest(team.team_base(), kv_dtype="float32") == patch["family"]
 
 
 @pytest.mark.parametrize("agent", ["retrieval", "planning", "coding"])
@@ -43,7 +53,7 @@ def test_a_shipped_module_holds_its_recorded_accuracy(team, family: str, agent: 
     found = identify(d, name=agent, family=family)
     assert found.shares_prefill and found.recompute_layers == record["recompute_layers"], found.reason
     assert (d / "adapter_model.safetensors").stat().st_size < 6 << 20  # a few MB, committed with the repo
-    got = team.check(agent, d, threads=2)
+    got = team.check(agent, d)  # on the threads it was recorded with
     want = record["check"]
     assert got["examples"] == want["examples"] == team.CHECK
     flips = sum(a != b for a, b in zip(got["correct"], want["correct"], strict=True))

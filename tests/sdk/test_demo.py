@@ -41,9 +41,11 @@ def test_demo_on_the_tiny_model(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)
 def test_demo_on_the_default_model() -> None:
     out = run_demo("--max-tokens", "16", "--dtype", "bfloat16", timeout=600)
     check(out)
+    assert "base model: " + str(ROOT / "examples" / "modules" / "team-base") in out  # the shipped team's base
     # bf16: the closing line says why answers may differ, with the recorded agreement figures
     closing = " ".join(out.split("answers identical with and without sharing:")[1].split())
     assert "summed in another order" in closing and "pick the same next token" in closing, closing

@@ -1,7 +1,8 @@
 """LangGraph's prebuilt ReAct agent with ``ChatOpenAI`` and one Python tool against the real server:
 the shipped coding module (examples/modules/coding, trained on tool-chat rows that never list this
-tool) calls it of its own accord (``tool_choice`` auto) and answers from its result. The base
-model is the measured contrast: it answers in plain text and never calls."""
+tool) calls it of its own accord (``tool_choice`` auto) and answers from its result. Its base (the
+default model with the team's joint prefill patch) is the measured contrast: it answers in plain
+text and never calls."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 
 from agentshare.local_server import LocalServer
-from server.models.loader import default_model_dir
 
 pytestmark = pytest.mark.timeout(300)
 
 CODING = Path(__file__).resolve().parents[2] / "examples" / "modules" / "coding"
+TEAM_BASE = CODING.parent / "team-base"  # a patch of the default model: the coding module's base
 CALLS: list[dict[str, str]] = []
 CAPITALS = {"france": "Paris", "peru": "Lima", "kenya": "Nairobi"}
 
@@ -38,8 +39,8 @@ def capital_of(country: str) -> str:
 
 @pytest.fixture(scope="module")
 def team_server() -> Iterator[str]:
-    """The default model in bf16 (the coding module's family) with the shipped coding module."""
-    server = LocalServer(["--model", str(default_model_dir(progress=False)), "--dtype", "bfloat16",
+    """The shipped team's base in bf16 (the coding module's family) with the shipped coding module."""
+    server = LocalServer(["--model", str(TEAM_BASE), "--dtype", "bfloat16",
                           "--kv-cache", "128MiB", "--threads", "2", "--log-level", "warning",
                           "--module", f"coding={CODING}"], startup_timeout=240)
     anyio.run(server.start)
@@ -73,6 +74,7 @@ def test_react_agent_calls_the_tool_and_uses_its_result(team_server: str, questi
 
 
 def test_the_base_model_answers_without_calling(team_server: str) -> None:
-    """Measured contrast: SmolLM2-135M itself does not call tools in auto mode."""
+    """Measured contrast: the base (SmolLM2-135M with the team's prefill patch) does not call tools in
+    auto mode."""
     msgs = react(team_server, "base", "What is the capital of France? Use the capital_of tool.")
     assert not [c for m in msgs if isinstance(m, AIMessage) for c in m.tool_calls], msgs

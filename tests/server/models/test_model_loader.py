@@ -94,18 +94,20 @@ def test_gguf_conversion_of_the_default_model(tmp_path: Path) -> None:
 def test_a_conversion_joins_the_shipped_modules_family_whatever_the_environment(tmp_path: Path) -> None:
     """The family digest covers the converted tokenizer config, where transformers records
     whether it loaded offline. A user's first conversion, without ``HF_HUB_OFFLINE`` (which the
-    project's scripts set), must give the family the shipped modules name, or they would get
-    private prefills."""
+    project's scripts set), must give the family the shipped team's base patch applies to, or the
+    patch would be refused (and the shipped modules could not share)."""
     import os
     import subprocess
     import sys
 
-    shipped = json.loads((Path(__file__).resolve().parents[3] / "examples" / "modules" / "coding"
-                          / "agentshare-module.json").read_text())["family"]
+    from server.models.patch import read_patch
+
+    # the shipped modules' base is a patch of the default model: it names the family it applies to
+    shipped = read_patch(Path(__file__).resolve().parents[3] / "examples" / "modules" / "team-base")["base_family"]
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     code = ("import sys; from pathlib import Path; from server.models.loader import default_model_dir; "
             "from server.kv.family import family_digest; "
-            "print(family_digest(default_model_dir(root=Path(sys.argv[1]), progress=False), kv_dtype='bfloat16'))")
+            "print(family_digest(default_model_dir(root=Path(sys.argv[1]), progress=False), kv_dtype='float32'))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=300, check=True)
     assert out.stdout.split()[-1] == shipped
