@@ -14,9 +14,10 @@ It runs the team twice on the same server, side by side:
 Trained decode modules in ``examples/modules/<agent>/`` (retrieval, planning, coding; made by
 ``examples/train_team.py``) are served and used, on the base they were trained for: the default
 model with the team's joint prefill patch (``examples/modules/team-base/``), built once in the
-cache on the first run. Without them every agent runs on the base model. With them, a second part runs the team on held-out episodes of the tasks they were
-trained on and scores it, sharing on against each module on its own prefill
-(``examples/team_episodes.py``; ``--episodes 0`` skips it).
+cache on the first run. Without them every agent runs on the base model. With them, a second
+part runs the team on held-out episodes of the tasks they were trained on and scores it, sharing
+on against each module on its own prefill (``examples/team_episodes.py``; ``--episodes 0``
+skips it).
 """
 
 from __future__ import annotations
