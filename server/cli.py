@@ -5,9 +5,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -46,6 +47,36 @@ def _registered(registry: str, option: str) -> Callable[[str], str]:
         return value
 
     return parse
+
+
+def _input_errors() -> dict[type[Exception], str]:
+    """The errors that mean a model or module the user named cannot be served, each with what to
+    do. Imported when one is raised: the CLI itself starts without torch."""
+    from server.engine.rope import UnsupportedRopeError
+    from server.engine.weights import UnsupportedModelError
+    from server.models.loader import ModelLoadError
+    from server.modules.manifest import ManifestError
+    from server.modules.registry import ModuleLoadError
+
+    model = "--model takes a base model directory or a base patch; leave it out for the default model"
+    module = "--module takes NAME=PATH, PATH a module `agentshare finetune` wrote for this base"
+    return {ModelLoadError: model, UnsupportedModelError: model, UnsupportedRopeError: model,
+            ModuleLoadError: module, ManifestError: module}
+
+
+@contextlib.contextmanager
+def _refusing_bad_input(command: str) -> Iterator[None]:
+    """A model or module that cannot be served: one line on stderr (what is wrong, what to do) and
+    exit status 2, as for a usage error, instead of a traceback; the line is never wrapped, so a
+    launcher that shows the server's last words (the SDK's) shows the whole path."""
+    try:
+        yield
+    except Exception as exc:
+        hint = next((h for kind, h in _input_errors().items() if isinstance(exc, kind)), None)
+        if hint is None:
+            raise
+        typer.echo(f"agentshare {command}: {exc} ({hint})", err=True)
+        raise typer.Exit(2) from None
 
 
 _DEVICE_HELP = "auto (the first CUDA device this process sees, else the CPU), cpu, cuda or cuda:N; logged at start"
@@ -205,7 +236,8 @@ def serve(
         if prefill_devices or decode_devices:
             raise typer.BadParameter("--prefill-devices and --decode-devices need --disaggregated; one server "
                                      "runs on --device")
-        run_server(config)
+        with _refusing_bad_input("serve"):
+            run_server(config)
         return
     from server.cluster.launch import parse_devices, serve_disaggregated
 
@@ -260,9 +292,11 @@ def worker(
         raise typer.BadParameter(f"--keep-hidden-layers takes layer numbers like 8,15, got {keep_hidden_layers!r}") from None
     config = type(config)(**{**{f: getattr(config, f) for f in type(config).__dataclass_fields__},
                              "max_step_tokens": max_step_tokens, "keep_hidden": keep})
-    serve_worker(config, role=role, chunk_blocks=chunk_blocks,  # type: ignore[arg-type]
-                 cpus=[int(c) for c in cpus.split(",")] if cpus else (), join=join, kv_port=kv_port,
-                 advertise=advertise, secret=_secret(cluster_secret_file))
+    secret = _secret(cluster_secret_file)
+    with _refusing_bad_input("worker"):
+        serve_worker(config, role=role, chunk_blocks=chunk_blocks,  # type: ignore[arg-type]
+                     cpus=[int(c) for c in cpus.split(",")] if cpus else (), join=join, kv_port=kv_port,
+                     advertise=advertise, secret=secret)
 
 
 @app.command("vllm-node")

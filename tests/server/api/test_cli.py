@@ -96,3 +96,37 @@ def test_devices_per_role_need_the_disaggregated_server() -> None:
 def test_a_prefill_workers_hidden_layers_are_layer_numbers() -> None:
     err = _usage_error("worker", "--role", "prefill", "--device", "cpu", "--keep-hidden-layers", "8,top")
     assert "--keep-hidden-layers takes layer numbers like 8,15, got '8,top'" in err, err
+
+
+def _refused(*args: str) -> str:
+    """Run the CLI expecting it to refuse a model or module it was given; its stderr."""
+    proc = subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and not re.search(r"[│╭╮╰╯]", proc.stderr), proc.stderr[-2000:]
+    return proc.stderr
+
+
+def test_a_model_or_module_that_cannot_be_served_is_one_line_naming_it_not_a_traceback(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The whole path on one line (a launcher shows the server's last lines: the SDK's
+    ServerStartError), what to do, exit status 2; for the server and for a worker."""
+    missing = tmp_path / ("a-directory-whose-name-is-long-enough-that-a-terminal-would-wrap-it-" * 2) / "model"
+    for command in (["serve"], ["worker", "--role", "decode", "--cluster-secret-file", str(_secret_file(tmp_path))]):
+        err = _refused(*command, "--model", str(missing), "--dtype", "float32", "--device", "cpu")
+        line = next(ln for ln in err.splitlines() if ln.startswith(f"agentshare {command[0]}: "))
+        assert f"{missing} is not a model directory (no config.json)" in line, err
+        assert "--model takes a base model directory or a base patch" in line, err
+    bad = tmp_path / "bad-module"
+    bad.mkdir()
+    (bad / "agentshare-module.json").write_text("{}")
+    err = _refused("serve", "--model", str(tiny_model_dir), "--module", f"coder={bad}", "--dtype", "float32",
+                   "--device", "cpu", "--port", str(free_port()))
+    line = next(ln for ln in err.splitlines() if ln.startswith("agentshare serve: "))
+    assert f"module 'coder': {bad}" in line and "--module takes NAME=PATH" in line, err
+
+
+def _secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.secret"
+    subprocess.run([sys.executable, "-m", "server.cli", "cluster-secret", str(path)], check=True, capture_output=True,
+                   timeout=60)
+    return path
