@@ -219,10 +219,11 @@ def serve(
         from server.vllm.serve import PlanError, VllmOptions, serve_vllm
 
         try:
-            serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
-                                           enforce_eager=enforce_eager, placement_policy=placement_policy,
-                                           tensor_parallel=tensor_parallel_size),
-                       nodes=node or (), secret=secret)
+            with _refusing_bad_input("serve"):
+                serve_vllm(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
+                                               enforce_eager=enforce_eager, placement_policy=placement_policy,
+                                               tensor_parallel=tensor_parallel_size),
+                           nodes=node or (), secret=secret)
         except PlanError as exc:
             raise typer.BadParameter(str(exc)) from None
         return

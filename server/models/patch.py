@@ -187,6 +187,8 @@ def resolve_model_dir(path: Path | str | None) -> Path:
         return default_model_dir()
     path = Path(path)
     if not is_patch(path):
+        if not (path / "config.json").is_file():  # said here, before any engine's own error
+            raise ModelLoadError(f"{path} is not a model directory (no config.json) nor a base patch ({PATCH_FILE})")
         return path
     meta = read_patch(path)
     target = cache_dir() / "models" / f"patched-{meta['family'][:16]}"

@@ -185,3 +185,15 @@ def test_killing_the_base_mid_request_falls_back_to_a_private_prefill(vllm_serve
     usage = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
              if line.startswith("vllm:kv_cache_usage_perc") and 'instance="lora-0"' in line]
     assert usage and max(usage) == 0.0  # the decode instance holds no block of a finished request
+
+
+def test_a_model_that_is_not_one_is_refused_in_one_line_before_any_instance_starts(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--engine", "vllm", "--model", str(missing)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert f"agentshare serve: {missing} is not a model directory (no config.json)" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "vllm_start" not in proc.stderr

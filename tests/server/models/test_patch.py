@@ -98,6 +98,8 @@ def test_bad_patches_and_scales_are_refused_with_the_reason(tiny_model_dir, tmp_
     with pytest.raises(ModelLoadError, match="format 'something-else'"):
         resolve_model_dir(tmp_path / "q")
     assert resolve_model_dir(tiny_model_dir) == tiny_model_dir  # a model directory is itself
+    with pytest.raises(ModelLoadError, match=r"is not a model directory \(no config.json\) nor a base patch"):
+        resolve_model_dir(tmp_path / "no-such-model")
 
 
 def test_the_engine_serves_a_patch_as_its_base(tiny_model_dir, tmp_path, cache):
