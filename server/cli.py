@@ -326,11 +326,12 @@ def vllm_node(
     _require_vllm("vllm-node")
     from server.vllm.serve import PlanError, VllmOptions, serve_node
 
+    config, secret = config_from_options(locals()), _secret(cluster_secret_file)
     try:
-        serve_node(config_from_options(locals()), VllmOptions(store_bytes=parse_bytes(kv_store),
-                                                              lora_instances=lora_instances, enforce_eager=enforce_eager,
-                                                              tensor_parallel=tensor_parallel_size),
-                   secret=_secret(cluster_secret_file), kv_port=kv_port, advertise=advertise)
+        with _refusing_bad_input("vllm-node"):
+            serve_node(config, VllmOptions(store_bytes=parse_bytes(kv_store), lora_instances=lora_instances,
+                                           enforce_eager=enforce_eager, tensor_parallel=tensor_parallel_size),
+                       secret=secret, kv_port=kv_port, advertise=advertise)
     except PlanError as exc:
         raise typer.BadParameter(str(exc)) from None
 

@@ -191,9 +191,14 @@ def test_a_model_that_is_not_one_is_refused_in_one_line_before_any_instance_star
     import subprocess
     import sys
 
-    missing = tmp_path / "no-such-model"
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--engine", "vllm", "--model", str(missing)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert f"agentshare serve: {missing} is not a model directory (no config.json)" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and "vllm_start" not in proc.stderr
+    missing, secret = tmp_path / "no-such-model", tmp_path / "cluster.secret"
+    subprocess.run([sys.executable, "-m", "server.cli", "cluster-secret", str(secret)], check=True, capture_output=True,
+                   timeout=60)
+    for command in (["serve", "--engine", "vllm"],
+                    ["vllm-node", "--module", f"coder={tmp_path}", "--cluster-secret-file", str(secret)]):
+        proc = subprocess.run([sys.executable, "-m", "server.cli", *command, "--model", str(missing)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (command, proc.returncode, proc.stderr[-2000:])
+        said = f"agentshare {command[0]}: {missing} is not a model directory (no config.json)"
+        assert said in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and "vllm_start" not in proc.stderr
