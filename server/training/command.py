@@ -3,7 +3,10 @@
 Errors a user can fix (bad data, wrong family, missing model) are printed as one line on stderr
 with exit status 2, not as a traceback.
 
->>> cfg = config_from_options({"data": "d.jsonl", "output": "o", "name": "x", "base": "/m",
+>>> import pathlib, tempfile
+>>> base = pathlib.Path(tempfile.mkdtemp())  # a model directory: its config.json, at least
+>>> _ = (base / "config.json").write_text("{}")
+>>> cfg = config_from_options({"data": "d.jsonl", "output": "o", "name": "x", "base": str(base),
 ...                            "kind": "full", "target": None, "placement": "header"})
 >>> cfg.kind.value, cfg.placement.value, cfg.target_modules[:2]
 ('full', 'header', ('q_proj', 'k_proj'))
