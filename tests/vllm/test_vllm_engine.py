@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from server.cluster.auth import ClusterSecret
 from server.prompt import Placement, chat_prompt
 from tests.vllm.conftest import KEYS, VllmServer, chat, messages_for
 
@@ -188,12 +191,8 @@ def test_killing_the_base_mid_request_falls_back_to_a_private_prefill(vllm_serve
 
 
 def test_a_model_that_is_not_one_is_refused_in_one_line_before_any_instance_starts(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     missing, secret = tmp_path / "no-such-model", tmp_path / "cluster.secret"
-    subprocess.run([sys.executable, "-m", "server.cli", "cluster-secret", str(secret)], check=True, capture_output=True,
-                   timeout=60)
+    ClusterSecret.generate().write(secret)
     for command in (["serve", "--engine", "vllm"],
                     ["vllm-node", "--module", f"coder={tmp_path}", "--cluster-secret-file", str(secret)]):
         proc = subprocess.run([sys.executable, "-m", "server.cli", *command, "--model", str(missing)],

@@ -16,6 +16,7 @@ import httpx
 from transformers import AutoModelForCausalLM
 
 from agentshare.local_server import free_port
+from server.cluster.auth import ClusterSecret
 from server.engine.elementwise import KernelSpec
 from server.engine.forward import LlamaForward
 
@@ -127,6 +128,5 @@ def test_a_model_or_module_that_cannot_be_served_is_one_line_naming_it_not_a_tra
 
 def _secret_file(tmp_path: Path) -> Path:
     path = tmp_path / "cluster.secret"
-    subprocess.run([sys.executable, "-m", "server.cli", "cluster-secret", str(path)], check=True, capture_output=True,
-                   timeout=60)
+    ClusterSecret.generate().write(path)
     return path
