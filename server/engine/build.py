@@ -25,7 +25,7 @@ from server.engine.elementwise import KernelSpec
 from server.engine.forward import LlamaForward
 from server.engine.modules import base_module, load_module
 from server.engine.numerics import choose_threads, dtype_name, resolve_dtype, set_threads
-from server.kv.family import family_digest
+from server.kv.family import base_families, family_digest
 from server.models.loader import load_model
 from server.models.patch import resolve_model_dir
 from server.process import keep_freed_memory
@@ -49,7 +49,8 @@ def load_engine(
 
     The family digest covers the base's weights, tokenizer, config and the KV dtype, so modules
     trained for this base in this dtype share its prefill; others get private prefills (on any
-    device: the family does not name one).
+    device: the family does not name one), except a LoRA trained on another base, which is
+    refused (its manifest names a family that is this base at no KV dtype).
     """
     set_threads(threads)
     dev = resolve_device(device)
@@ -58,11 +59,13 @@ def load_engine(
     loaded = load_model(model_dir)
     forward = LlamaForward.from_hf(loaded.model, dtype=dt, device=dev)
     family = family_digest(model_dir, kv_dtype=dtype_name(dt))
+    families = base_families(model_dir)
     table = {base_name: base_module(family, base_name)}
     for name, path in (modules or {}).items():
         if name in table:
             raise ValueError(f"module name {name!r} is used twice")
-        table[name] = load_module(path, name=name, family=family, shape=forward.weights.shape, dtype=dt, device=dev)
+        table[name] = load_module(path, name=name, family=family, base_families=families,
+                                  shape=forward.weights.shape, dtype=dt, device=dev)
     tok = cast(Decoder, loaded.tokenizer)  # a transformers tokenizer
     eos = {t for t in (getattr(tok, "eos_token_id", None),) if t is not None}
     gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)

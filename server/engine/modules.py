@@ -8,6 +8,7 @@ their kind (``server/engine/kinds``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,12 +59,13 @@ def base_module(family: str, name: str = "base") -> DecodeModule:
 
 
 def load_module(
-    path: Path | str, *, name: str, family: str, shape: ModelShape, dtype: torch.dtype,
-    device: torch.device = torch.device("cpu"),
+    path: Path | str, *, name: str, family: str, base_families: Collection[str], shape: ModelShape,
+    dtype: torch.dtype, device: torch.device = torch.device("cpu"),
 ) -> DecodeModule:
     """Load the module in ``path`` onto ``device``, for serving beside a base of ``family`` with
-    ``shape``."""
-    found = identify(path, name=name, family=family)
+    ``shape``; ``base_families``, that base's family at every KV dtype
+    (:func:`server.kv.family.base_families`), refuses a LoRA trained on another base."""
+    found = identify(path, name=name, family=family, base_families=base_families)
     if found.kind == "base":
         return DecodeModule(name, "base", family, True, found.placement, reason="the base")
     kind = kind_of(found.kind)

@@ -31,7 +31,7 @@ import mmap
 import os
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,9 @@ from server import paths
 
 KV_LAYOUT = "agentshare-paged-v1:[kv_heads,slots,head_dim]"
 """Name of the KV layout the torch engine writes; part of every family digest."""
+
+KV_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a KV pool holds: a module's manifest names its base's family at one of them."""
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -87,6 +90,26 @@ def family_digest(
 ) -> str:
     """The family digest (64 hex chars) of the model in ``model_dir`` served with ``kv_dtype``."""
     return family_parts(model_dir, kv_dtype=kv_dtype, kv_layout=kv_layout, cache_dir=cache_dir).digest
+
+
+def base_families(
+    model_dir: str | Path, *, kv_layout: str = KV_LAYOUT, cache_dir: str | Path | None = None,
+) -> frozenset[str]:
+    """The family of the model in ``model_dir`` at every KV dtype (:data:`KV_DTYPES`): the
+    manifest of a LoRA module trained on these weights, tokenizer and config names one of them,
+    whatever dtype its KV was trained in.
+
+    >>> import json, tempfile, pathlib, torch
+    >>> from safetensors.torch import save_file
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> save_file({"w": torch.ones(2)}, d / "model.safetensors")
+    >>> _ = (d / "config.json").write_text("{}"); _ = (d / "tokenizer.json").write_text("{}")
+    >>> fams = base_families(d, cache_dir=d / "cache")
+    >>> len(fams), family_digest(d, kv_dtype="bfloat16", cache_dir=d / "cache") in fams
+    (3, True)
+    """
+    parts = family_parts(model_dir, kv_dtype=KV_DTYPES[0], kv_layout=kv_layout, cache_dir=cache_dir)
+    return frozenset(replace(parts, kv_dtype=d).digest for d in KV_DTYPES)
 
 
 def family_parts(

@@ -7,7 +7,8 @@ Written by the fine-tuning tool next to the module's weights as ``agentshare-mod
 
 A module joins a family's shared prefill *only* through a manifest naming that family's digest
 (docs/design.md §2). A directory without a manifest, or with one naming another family, is still served
-— with a private prefill under its own key, never mixed.
+— with a private prefill under its own key, never mixed — except a LoRA whose manifest names
+another base (``server/modules/registry.py``).
 
 >>> m = Manifest(name="coder", kind=ModuleKind.LORA, family="ab" * 32,
 ...              lora=LoraSpec(rank=8, alpha=16, target_modules=("q_proj",)))

@@ -21,11 +21,17 @@ manifest naming the serving family          base (shared)             the module
                                             KV, from the base's state)
 no manifest, or another family              the module (private prefill, IP = 0)
 ==========================================  ===============================================
+
+"Another family" is the served base at another KV dtype, for a LoRA module: its updates apply to
+the base's own weights, only the KV differs. A LoRA whose manifest names a family that is the
+served base at no KV dtype was trained on other weights (or another tokenizer or config); its
+updates would land on weights they were not trained for, so it is refused, not served.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +56,16 @@ class Identified:
     recompute_layers: int = 0  # top layers it recomputes over the shared prefix (0: none)
 
 
-def identify(path: Path | str, *, name: str, family: str) -> Identified:
-    """Read the module in ``path``: its kind, identity, and whether it joins ``family``."""
+def identify(
+    path: Path | str, *, name: str, family: str, base_families: Collection[str] | None = None,
+) -> Identified:
+    """Read the module in ``path``: its kind, identity, and whether it joins ``family``.
+
+    ``base_families``: the served base's family at every KV dtype
+    (:func:`server.kv.family.base_families`); a LoRA module whose manifest names none of them
+    was trained on another base and is refused (:class:`ModuleLoadError`). None: not checked,
+    for callers that only describe a module the server already loaded.
+    """
     d = Path(path)
     if not d.is_dir():
         raise ModuleLoadError(f"module {name!r}: {d} is not a directory")
@@ -65,12 +79,16 @@ def identify(path: Path | str, *, name: str, family: str) -> Identified:
             f"module {name!r}: {d} holds neither a peft adapter (adapter_model.safetensors) "
             f"nor a model (config.json + *.safetensors), and no {MANIFEST_FILE}"
         )
+    if manifest is not None and kind is ModuleKind.LORA and base_families is not None:
+        _check_base(name, manifest, family, base_families)
     shards = sorted(d.glob("adapter_model.safetensors" if kind is ModuleKind.LORA else "*.safetensors"))
     digest = _module_digest(d, manifest, shards)
     if manifest is None:
         shares, reason = False, f"no {MANIFEST_FILE}: private prefill"
     elif manifest.family != family:
-        shares, reason = False, f"manifest names family {manifest.family[:12]}…, not the server's {family[:12]}…: private prefill"
+        other_dtype = base_families is not None and manifest.family in base_families
+        why = "this base at another KV dtype than" if other_dtype else "not"
+        shares, reason = False, f"manifest names family {manifest.family[:12]}…, {why} the server's {family[:12]}…: private prefill"
     else:
         shares, reason = True, f"joins family {family[:12]}…"
     placement = manifest.invocation if manifest else Placement.TURN
@@ -81,6 +99,20 @@ def identify(path: Path | str, *, name: str, family: str) -> Identified:
     if recompute:
         reason += f", recomputes its top {recompute} layers over the prefix"
     return Identified(str(kind), digest, shares, placement, reason, recompute)
+
+
+def _check_base(name: str, manifest: Manifest, family: str, base_families: Collection[str]) -> None:
+    if manifest.family == family or manifest.family in base_families:
+        return
+    config = manifest.training.get("config")
+    trained = config.get("base") if isinstance(config, dict) else None
+    on = f" (trained on {trained})" if isinstance(trained, str) and trained else ""
+    raise ModuleLoadError(
+        f"module {name!r}: a LoRA adapter for another base model{on}: its manifest names family "
+        f"{manifest.family[:12]}…, which is this server's base at no KV dtype, so its updates would "
+        "land on weights they were not trained for; serve it with --model set to the base it was "
+        "trained on (the shipped example modules: --model examples/modules/team-base)"
+    )
 
 
 def _guess_kind(d: Path) -> ModuleKind | None:

@@ -14,9 +14,10 @@ requests carry a tenant's salt, so no instance may be reachable from the network
 thread restarts an instance that exits (with a back-off) and says which are down, for
 ``/health``.
 
->>> from server.kv.family import family_digest
+>>> from server.kv.family import base_families, family_digest
 >>> family = family_digest(model_dir, kv_dtype="float32")
->>> plan = plan_instances(model_dir, {"coder": coder_dir}, family=family, dtype="float32")
+>>> plan = plan_instances(model_dir, {"coder": coder_dir}, family=family, dtype="float32",
+...                       base_families=base_families(model_dir))
 >>> [(s.name, sorted(s.loras)) for s in plan]
 [('base', []), ('lora-0', ['coder'])]
 """
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -67,10 +68,11 @@ class InstanceSpec:
     compile: bool = True
 
 
-def _identify(path: Path, *, name: str, family: str) -> Identified:
-    """The module at ``path``, as the torch engine identifies it; one this engine cannot serve
-    exactly (the layer split) is refused."""
-    ident = identify(path, name=name, family=family)
+def _identify(path: Path, *, name: str, family: str, base_families: Collection[str] | None = None) -> Identified:
+    """The module at ``path``, as the torch engine identifies it (``base_families``: see
+    :func:`~server.modules.registry.identify`); one this engine cannot serve exactly (the layer
+    split) is refused."""
+    ident = identify(path, name=name, family=family, base_families=base_families)
     if ident.recompute_layers:
         raise ValueError(f"module {name!r} recomputes its top {ident.recompute_layers} layers over the prefix "
                          "(recompute_layers in its manifest): the vllm engine cannot serve the layer split; "
@@ -92,17 +94,19 @@ def _lora_rank(path: Path) -> int:
 
 
 def plan_instances(
-    model_dir: Path, modules: Mapping[str, Path], *, family: str, dtype: str, lora_instances: int = 1,
-    base_name: str = BASE, enforce_eager: bool = False, with_base: bool = True,
+    model_dir: Path, modules: Mapping[str, Path], *, family: str, dtype: str, base_families: Collection[str],
+    lora_instances: int = 1, base_name: str = BASE, enforce_eager: bool = False, with_base: bool = True,
 ) -> list[InstanceSpec]:
     """The instances that serve ``modules`` beside the base (see the module docstring); without
-    the base instance on a node (:mod:`server.vllm.node`), whose prefixes another host computes."""
+    the base instance on a node (:mod:`server.vllm.node`), whose prefixes another host computes.
+    ``base_families``: the base's family at every KV dtype (:func:`server.kv.family.base_families`);
+    a LoRA trained on another base is refused."""
     if lora_instances < 1:
         raise ValueError("lora_instances must be at least 1")
     loras: list[tuple[str, Path, str | None]] = []
     full: list[tuple[str, Path, str | None]] = []
     for name, path in modules.items():
-        ident = _identify(path, name=name, family=family)
+        ident = _identify(path, name=name, family=family, base_families=base_families)
         manifest = Manifest.read(Path(path))
         named = manifest.family if manifest is not None else None
         (loras if ident.kind == ModuleKind.LORA else full).append((name, Path(path), named))

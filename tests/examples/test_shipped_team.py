@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from server.kv.family import family_digest
+from server.kv.family import base_families, family_digest
+from server.models.loader import default_model_dir
 from server.models.patch import read_patch
 from server.modules.manifest import Manifest
-from server.modules.registry import identify
+from server.modules.registry import ModuleLoadError, identify
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = ROOT / "examples" / "modules"
@@ -59,3 +60,17 @@ def test_a_shipped_module_holds_its_recorded_accuracy(team, family: str, agent: 
     flips = sum(a != b for a, b in zip(got["correct"], want["correct"], strict=True))
     # bf16 on another CPU may break a near-tie differently: at most two of the episodes
     assert flips <= 2, (got["accuracy"], want["accuracy"])
+
+
+def test_a_shipped_module_on_the_default_model_instead_of_its_base_is_refused(team) -> None:
+    """The default model has the team base's shapes but not its weights: the modules' updates
+    would load and run there, on weights they were not trained for. Refused, naming the base."""
+    default = default_model_dir()
+    ours = base_families(team.team_base())
+    for agent in ("retrieval", "planning", "coding"):
+        assert identify(MODULES / agent, name=agent, family=family_digest(team.team_base(), kv_dtype="float32"),
+                        base_families=ours).reason.startswith("manifest names family")  # bf16 KV: served privately
+        with pytest.raises(ModuleLoadError, match=f"module '{agent}': a LoRA adapter for another base model "
+                                                  r"\(trained on .*patched-.*examples/modules/team-base"):
+            identify(MODULES / agent, name=agent, family=family_digest(default, kv_dtype="bfloat16"),
+                     base_families=base_families(default))

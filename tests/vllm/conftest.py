@@ -30,7 +30,6 @@ from server.process import die_with_parent, free_port, wait_ready
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KEYS = ("tenant-a-key", "tenant-b-key")
-FOREIGN_FAMILY = "ab" * 32
 
 
 @pytest.fixture(scope="session")
@@ -80,13 +79,14 @@ def _full(base_dir: Path, out: Path, seed: int, family: str) -> Path:
 
 @pytest.fixture(scope="session")
 def modules(base_dir: Path, family: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """coder and planner (LoRA, joining the family), foreign (coder's weights, another family's
-    manifest) and writer (a full module of the family)."""
+    """coder and planner (LoRA, joining the family), foreign (coder's weights, its manifest naming
+    the base's family at bf16 KV: served with a private prefill in this fp32 server) and writer (a
+    full module of the family)."""
     root = tmp_path_factory.mktemp("vllm-modules")
     return {
         "coder": _lora(base_dir, root / "coder", 1, family),
         "planner": _lora(base_dir, root / "planner", 2, family),
-        "foreign": _lora(base_dir, root / "foreign", 1, FOREIGN_FAMILY),
+        "foreign": _lora(base_dir, root / "foreign", 1, family_digest(base_dir, kv_dtype="bfloat16")),
         "writer": _full(base_dir, root / "writer", 3, family),
     }
 

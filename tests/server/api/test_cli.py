@@ -124,6 +124,12 @@ def test_a_model_or_module_that_cannot_be_served_is_one_line_naming_it_not_a_tra
                    "--device", "cpu", "--port", str(free_port()))
     line = next(ln for ln in err.splitlines() if ln.startswith("agentshare serve: "))
     assert f"module 'coder': {bad}" in line and "--module takes NAME=PATH" in line, err
+    shipped = Path(__file__).resolve().parents[3] / "examples" / "modules" / "coding"  # trained on the team base
+    err = _refused("serve", "--model", str(tiny_model_dir), "--module", f"coder={shipped}", "--dtype", "float32",
+                   "--device", "cpu", "--port", str(free_port()))
+    line = next(ln for ln in err.splitlines() if ln.startswith("agentshare serve: "))
+    assert "module 'coder': a LoRA adapter for another base model" in line, err
+    assert "--model set to the base it was trained on" in line, err
 
 
 def _secret_file(tmp_path: Path) -> Path:

@@ -154,7 +154,7 @@ def meta_engine(model_dir, modules, graphs: str = "off") -> EngineCore:
     family = family_digest(model_dir, kv_dtype="float32")
     table = {"base": base_module(family)}
     for name, path in modules.items():
-        table[name] = load_module(path, name=name, family=family, shape=forward.weights.shape,
+        table[name] = load_module(path, name=name, family=family, base_families={family}, shape=forward.weights.shape,
                                   dtype=torch.float32, device=META)
     core = EngineCore(forward, loaded.tokenizer, family=family, modules=table,
                       config=EngineConfig(kv_cache_bytes=16 << 20, max_step_tokens=64, decode_graphs=graphs))

@@ -7,6 +7,7 @@ import torch
 
 from server.engine.modules import load_module
 from server.engine.weights import ModelShape
+from server.kv.family import base_families, family_digest
 from server.modules.manifest import Manifest, ModuleKind
 from server.modules.registry import ModuleLoadError
 from server.prompt import Placement
@@ -14,8 +15,11 @@ from server.prompt import Placement
 SHAPE = ModelShape("llama", 49152, 256, 3, 4, 2, 64, 1e-5, 4096)
 
 
-def load(path, family):
-    return load_module(path, name="m", family=family, shape=SHAPE, dtype=torch.float32)
+def load(path, family, base_families=None):
+    """Load as a server whose base is ``family`` would (``base_families``: that base's family at
+    every KV dtype; by default ``family`` alone)."""
+    return load_module(path, name="m", family=family, base_families=base_families or {family},
+                       shape=SHAPE, dtype=torch.float32)
 
 
 def test_a_manifest_naming_the_family_shares(make_lora, tiny_family):
@@ -27,22 +31,42 @@ def test_a_manifest_naming_the_family_shares(make_lora, tiny_family):
     assert m.deltas[(0, "gate_up")][1].col == 512  # up sits after gate (intermediate 512)
 
 
-def test_no_manifest_or_another_family_means_a_private_prefill(make_lora, tiny_family):
+def test_no_manifest_or_the_base_at_another_kv_dtype_means_a_private_prefill(make_lora, tiny_family,
+                                                                            tiny_model_dir):
+    bf16 = family_digest(tiny_model_dir, kv_dtype="bfloat16")  # trained with bf16 KV, served in fp32
     plain = load(make_lora("plain", manifest=False), tiny_family)
-    other = load(make_lora("alien", family="e" * 64), tiny_family)
+    other = load(make_lora("bf16", family=bf16), tiny_family, base_families(tiny_model_dir))
     assert not plain.shares_prefill and "no agentshare-module.json" in plain.reason
-    assert not other.shares_prefill and "private prefill" in other.reason
+    assert not other.shares_prefill
+    assert "this base at another KV dtype than the server's" in other.reason and "private prefill" in other.reason
     assert plain.digest != other.digest  # distinct KV namespaces
 
 
-def test_a_layer_split_module_is_its_own_module_and_keeps_its_k(make_lora, tiny_family, tmp_path):
+def test_a_lora_trained_on_another_base_is_refused(make_lora, tiny_family, tiny_model_dir, tmp_path):
+    """Its updates would land on weights they were not trained for: refused, naming the base it
+    was trained on, rather than served on the wrong weights with a private prefill."""
+    import shutil
+
+    alien = shutil.copytree(make_lora("alien", family="e" * 64), tmp_path / "alien")
+    m = Manifest.read(alien)
+    Manifest(name=m.name, kind=m.kind, family=m.family, lora=m.lora,
+             training={"config": {"base": "/models/other-base"}}).write(alien)
+    with pytest.raises(ModuleLoadError, match=r"another base model \(trained on /models/other-base\).*"
+                                              r"eeeeeeeeeeee….*--model set to the base it was trained on"):
+        load(alien, tiny_family, base_families(tiny_model_dir))
+    with pytest.raises(ModuleLoadError, match="another base model: its manifest names family eeeeeeeeeeee"):
+        load(make_lora("alien", family="e" * 64), tiny_family)  # no training record: no base named
+
+
+def test_a_layer_split_module_is_its_own_module_and_keeps_its_k(make_lora, tiny_family, tiny_model_dir):
     split = load(make_lora("k", recompute_layers=2), tiny_family)
     plain = load(make_lora("k"), tiny_family)
     assert split.recompute_layers == 2 and plain.recompute_layers == 0
     assert split.digest != plain.digest and "recomputes its top 2 layers" in split.reason
     # a private prefill recomputes everything anyway: the split does not apply
-    alien = load(make_lora("k", family="e" * 64, recompute_layers=2), tiny_family)
-    assert alien.recompute_layers == 0 and not alien.shares_prefill
+    bf16 = family_digest(tiny_model_dir, kv_dtype="bfloat16")
+    private = load(make_lora("k", family=bf16, recompute_layers=2), tiny_family, base_families(tiny_model_dir))
+    assert private.recompute_layers == 0 and not private.shares_prefill
     with pytest.raises(ModuleLoadError, match="recompute_layers 4 exceeds the base's 3 layers"):
         load(make_lora("k", recompute_layers=4), tiny_family)
 

@@ -5,6 +5,7 @@ are served with a shared prefill."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from server.engine.core import EngineConfig
 from server.kv.family import family_digest
 from server.models.patch import read_patch, resolve_model_dir
 from server.modules.manifest import Manifest
+from server.modules.registry import ModuleLoadError
 from server.training.dataset import write_jsonl
 from server.training.joint import PATCH_DIR, JointConfig, _order, train_joint
 from server.training.tasks import Difficulty, generate
@@ -61,8 +63,10 @@ def test_the_joint_base_is_a_new_family_whose_prefill_learned(tiny_model_dir, tm
     assert Manifest.read(tmp_path / "coder").family == res.family == mod.family
     core = load_engine(tmp_path / "joint", modules={"coder": tmp_path / "coder"}, dtype="float32", config=EngineConfig(kv_cache_bytes=32 << 20))
     assert core.modules["coder"].shares_prefill
-    stale = load_engine(tiny_model_dir, modules={"coder": tmp_path / "coder"}, dtype="float32", config=EngineConfig(kv_cache_bytes=32 << 20))
-    assert not stale.modules["coder"].shares_prefill  # the old base is another family: private prefill
+    # on the old base its updates would land on weights they were not trained for: refused
+    with pytest.raises(ModuleLoadError, match=re.escape(f"another base model (trained on {tmp_path / 'joint'})")):
+        load_engine(tiny_model_dir, modules={"coder": tmp_path / "coder"}, dtype="float32",
+                    config=EngineConfig(kv_cache_bytes=32 << 20))
 
 
 def test_batches_hold_one_task_each_and_every_row_once_an_epoch():

@@ -45,7 +45,7 @@ def test_a_few_steps_reduce_the_loss_and_write_a_servable_module(tiny_model_dir,
     from transformers import AutoConfig
 
     shape = ModelShape.from_config(AutoConfig.from_pretrained(tiny_model_dir))
-    mod = load_module(tmp_path / "m", name="agent", family=res.family, shape=shape, dtype=torch.float32)
+    mod = load_module(tmp_path / "m", name="agent", family=res.family, base_families={res.family}, shape=shape, dtype=torch.float32)
     assert mod.shares_prefill and mod.placement is Placement.TURN and mod.deltas
 
 
@@ -119,7 +119,7 @@ def test_layers_tunes_only_the_top_layers(tiny_model_dir, data, tmp_path):
     tensors = load_file(tmp_path / "top" / "adapter_model.safetensors")
     assert tensors and {int(k.split(".layers.")[1].split(".")[0]) for k in tensors} == {n - 1}
     shape = ModelShape.from_config(AutoConfig.from_pretrained(tiny_model_dir))
-    mod = load_module(tmp_path / "top", name="agent", family=res.family, shape=shape, dtype=torch.float32)
+    mod = load_module(tmp_path / "top", name="agent", family=res.family, base_families={res.family}, shape=shape, dtype=torch.float32)
     assert mod.shares_prefill and {layer for layer, _ in mod.deltas} == {n - 1}
     # a full module: only the top layer's weights (and the final norm) move
     finetune(cfg(tiny_model_dir, data, tmp_path / "full", kind=ModuleKind.FULL, lr=1e-3, layers=1, epochs=0.5))

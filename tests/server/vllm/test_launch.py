@@ -39,8 +39,9 @@ def _kv_config(args: list[str]) -> dict:
 def test_a_node_plans_its_agents_without_a_base(tiny_model_dir: Path, coder_module_dir: Path) -> None:
     family = family_digest(tiny_model_dir, kv_dtype="float32")
     modules = {"coder": coder_module_dir}
-    here = plan_instances(tiny_model_dir, modules, family=family, dtype="float32")
-    node = plan_instances(tiny_model_dir, modules, family=family, dtype="float32", with_base=False)
+    here = plan_instances(tiny_model_dir, modules, family=family, dtype="float32", base_families={family})
+    node = plan_instances(tiny_model_dir, modules, family=family, dtype="float32", base_families={family},
+                          with_base=False)
     assert [s.name for s in here] == [BASE, "lora-0"]
     assert [s.name for s in node] == ["lora-0"] and node[0] == here[1]
 
@@ -64,7 +65,8 @@ def test_a_layer_split_module_is_refused_before_any_instance_starts(tiny_model_d
 
     family = family_digest(tiny_model_dir, kv_dtype="float32")
     split = make_lora("split", recompute_layers=1)
-    for call in (lambda: plan_instances(tiny_model_dir, {"split": split}, family=family, dtype="float32"),
+    for call in (lambda: plan_instances(tiny_model_dir, {"split": split}, family=family, dtype="float32",
+                                        base_families={family}),
                  lambda: agent_card(split, name="split", family=family)):
         with pytest.raises(ValueError, match="the vllm engine cannot serve the layer split"):
             call()
