@@ -207,6 +207,20 @@ def resolve_model_dir(path: Path | str | None) -> Path:
     return build_atomically(target, _MARKER, build)
 
 
+def patch_of(model_dir: Path | str) -> Path | None:
+    """The base patch that :func:`resolve_model_dir` built ``model_dir`` from; None for any other
+    model directory. What a module trained on a patched base names as its base.
+
+    >>> import tempfile
+    >>> patch_of(tempfile.mkdtemp()) is None
+    True
+    """
+    marker = Path(model_dir) / _MARKER
+    if not marker.is_file():
+        return None
+    return Path(json.loads(marker.read_text())["patch"])
+
+
 def _is_default(base: Path | str) -> bool:
     """Whether ``base`` is the default model's conversion (known by its marker; nothing is converted)."""
     try:

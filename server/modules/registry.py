@@ -105,7 +105,7 @@ def _check_base(name: str, manifest: Manifest, family: str, base_families: Colle
     if manifest.family == family or manifest.family in base_families:
         return
     config = manifest.training.get("config")
-    trained = config.get("base") if isinstance(config, dict) else None
+    trained = manifest.training.get("base") or (config.get("base") if isinstance(config, dict) else None)
     on = f" (trained on {trained})" if isinstance(trained, str) and trained else ""
     raise ModuleLoadError(
         f"module {name!r}: a LoRA adapter for another base model{on}: its manifest names family "

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from server.engine.device import resolve_device
 from server.kv.family import family_digest
-from server.models.patch import resolve_model_dir
+from server.models.patch import patch_of, resolve_model_dir
 from server.modules.manifest import LoraSpec, Manifest, ModuleKind
 from server.prompt import Placement
 from server.training.dataset import DataError, check_family, collate, encode, read_jsonl
@@ -295,7 +295,9 @@ def _save_module(cfg: FinetuneConfig, model: Any, tokenizer: Any, result: Finetu
     model.save_pretrained(out)
     if cfg.kind is ModuleKind.FULL:
         tokenizer.save_pretrained(out)
-    training = {"config": cfg.to_record(), "steps": result.steps, "examples": result.examples,
+    patch = patch_of(cfg.base)  # a patched base is named by its patch, not by its build in the cache
+    training = {"config": cfg.to_record(), "base": str(patch or cfg.base), "steps": result.steps,
+                "examples": result.examples,
                 "seconds": round(result.seconds, 1),
                 "final_loss": round(sum(result.losses[-20:]) / max(1, len(result.losses[-20:])), 4)}
     (out / "training.json").write_text(json.dumps(training, indent=2))

@@ -56,15 +56,18 @@ def test_the_joint_base_is_a_new_family_whose_prefill_learned(tiny_model_dir, tm
     assert family_digest(rebuilt, kv_dtype="float32") == res.family
     patch_bytes = sum(f.stat().st_size for f in (tmp_path / "joint" / PATCH_DIR).iterdir())
     assert patch_bytes < (tmp_path / "joint" / "model.safetensors").stat().st_size / 4
-    # a decode module trained on the joint base joins its family and is served from its prefill
-    mod = finetune(FinetuneConfig(base=tmp_path / "joint", data=data, output=tmp_path / "coder", name="coder",
+    # a decode module trained on the joint base (named by its patch) joins its family and is
+    # served from its prefill
+    mod = finetune(FinetuneConfig(base=tmp_path / "joint" / PATCH_DIR, data=data, output=tmp_path / "coder", name="coder",
                                   rank=4, alpha=8, target_modules=("q_proj", "v_proj"), batch_size=4, lr=1e-2,
                                   kv_dtype="float32", progress=False, checkpoint_every=0, epochs=0.25))
     assert Manifest.read(tmp_path / "coder").family == res.family == mod.family
+    assert Manifest.read(tmp_path / "coder").training["base"] == str((tmp_path / "joint" / PATCH_DIR).resolve())
     core = load_engine(tmp_path / "joint", modules={"coder": tmp_path / "coder"}, dtype="float32", config=EngineConfig(kv_cache_bytes=32 << 20))
     assert core.modules["coder"].shares_prefill
     # on the old base its updates would land on weights they were not trained for: refused
-    with pytest.raises(ModuleLoadError, match=re.escape(f"another base model (trained on {tmp_path / 'joint'})")):
+    patch = (tmp_path / "joint" / PATCH_DIR).resolve()
+    with pytest.raises(ModuleLoadError, match=re.escape(f"another base model (trained on {patch})")):
         load_engine(tiny_model_dir, modules={"coder": tmp_path / "coder"}, dtype="float32",
                     config=EngineConfig(kv_cache_bytes=32 << 20))
 
