@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -49,7 +49,7 @@ def _registered(registry: str, option: str) -> Callable[[str], str]:
     return parse
 
 
-def _input_errors() -> dict[type[Exception], str]:
+def _input_errors() -> dict[type[Exception], str | None]:
     """The errors that mean a model or module the user named cannot be served, each with what to
     do. Imported when one is raised: the CLI itself starts without torch."""
     from server.engine.rope import UnsupportedRopeError
@@ -65,17 +65,23 @@ def _input_errors() -> dict[type[Exception], str]:
 
 
 @contextlib.contextmanager
-def _refusing_bad_input(command: str) -> Iterator[None]:
-    """A model or module that cannot be served: one line on stderr (what is wrong, what to do) and
-    exit status 2, as for a usage error, instead of a traceback; the line is never wrapped, so a
-    launcher that shows the server's last words (the SDK's) shows the whole path."""
+def _refusing_bad_input(
+    command: str, errors: Callable[[], Mapping[type[Exception], str | None]] = _input_errors,
+) -> Iterator[None]:
+    """Input the user can fix (a model or module that cannot be served; for the fine-tuning
+    commands, their data and options): one line on stderr (what is wrong, and what to do where
+    ``errors`` gives a hint) and exit status 2, as for a usage error, instead of a traceback; the
+    line is never wrapped, so a launcher that shows the server's last words (the SDK's) shows the
+    whole path. ``errors`` is called only when something is raised."""
     try:
         yield
     except Exception as exc:
-        hint = next((h for kind, h in _input_errors().items() if isinstance(exc, kind)), None)
-        if hint is None:
+        kinds = errors()
+        kind = next((k for k in kinds if isinstance(exc, k)), None)
+        if kind is None:
             raise
-        typer.echo(f"agentshare {command}: {exc} ({hint})", err=True)
+        hint = kinds[kind]
+        typer.echo(f"agentshare {command}: {exc}" + (f" ({hint})" if hint else ""), err=True)
         raise typer.Exit(2) from None
 
 
@@ -118,9 +124,11 @@ def finetune(
                                           "from the base's hidden state (the layer split; 0: none)"),
 ) -> None:
     """Fine-tune a decode module on the base model's KV (cache-conditioned); write it with its manifest."""
-    from server.training.command import run_finetune
+    from server.training.command import finetune_errors, run_finetune
 
-    raise typer.Exit(run_finetune(locals()))
+    options = dict(locals())
+    with _refusing_bad_input("finetune", finetune_errors):
+        run_finetune(options)
 
 
 @app.command("finetune-joint")
@@ -137,9 +145,11 @@ def finetune_joint(
 ) -> None:
     """Train the family's prefill module jointly with a decode adapter per task, merge it into a new
     base (a new family); then fine-tune each decode module on it with `agentshare finetune --base`."""
-    from server.training.command import run_finetune_joint
+    from server.training.command import finetune_joint_errors, run_finetune_joint
 
-    raise typer.Exit(run_finetune_joint(locals()))
+    options = dict(locals())
+    with _refusing_bad_input("finetune-joint", finetune_joint_errors):
+        run_finetune_joint(options)
 
 
 @app.command()

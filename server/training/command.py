@@ -1,7 +1,7 @@
 """``agentshare finetune``: turn command-line options into a :class:`FinetuneConfig` and run it.
 
-Errors a user can fix (bad data, wrong family, missing model) are printed as one line on stderr
-with exit status 2, not as a traceback.
+Errors a user can fix (bad data, wrong family, missing model: :func:`finetune_errors`) are
+printed by the CLI as one line on stderr with exit status 2, not as a traceback.
 
 >>> import pathlib, tempfile
 >>> base = pathlib.Path(tempfile.mkdtemp())  # a model directory: its config.json, at least
@@ -14,7 +14,6 @@ with exit status 2, not as a traceback.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,37 +63,41 @@ def _check_device(opts: Mapping[str, Any]) -> None:
             raise BadOption(str(exc)) from None
 
 
-def run_finetune(opts: Mapping[str, Any]) -> int:
-    """Run the command; returns its exit status."""
+def finetune_errors() -> dict[type[Exception], str | None]:
+    """What ``agentshare finetune`` reports as one line with exit status 2 (the CLI's
+    ``_refusing_bad_input``): input the user can fix. The messages say what to do."""
     from server.models.loader import ModelLoadError
 
-    try:
-        result = finetune(config_from_options(opts))
-    except (DataError, BadOption, FamilyMismatch, ManifestError, FileNotFoundError, ModelLoadError) as exc:
-        print(f"agentshare finetune: {exc}", file=sys.stderr)
-        return 2
+    return dict.fromkeys((DataError, BadOption, FamilyMismatch, ManifestError, FileNotFoundError, ModelLoadError))
+
+
+def finetune_joint_errors() -> dict[type[Exception], str | None]:
+    """The same for ``agentshare finetune-joint``."""
+    from server.models.loader import ModelLoadError
+
+    return dict.fromkeys((DataError, BadOption, FileNotFoundError, ModelLoadError, OSError))
+
+
+def run_finetune(opts: Mapping[str, Any]) -> None:
+    """Run the command (the errors of :func:`finetune_errors` are the user's to fix)."""
+    result = finetune(config_from_options(opts))
     print(f"wrote {result.output} ({result.steps} steps, {result.examples} examples, "
           f"{result.seconds:.0f} s, family {result.family[:12]}…)")
-    return 0
 
 
-def run_finetune_joint(opts: Mapping[str, Any]) -> int:
-    """``agentshare finetune-joint``; returns its exit status."""
-    from server.models.loader import ModelLoadError, default_model_dir
+def run_finetune_joint(opts: Mapping[str, Any]) -> None:
+    """``agentshare finetune-joint`` (the errors of :func:`finetune_joint_errors` are the user's
+    to fix)."""
+    from server.models.loader import default_model_dir
     from server.training.joint import JointConfig, train_joint
 
-    try:
-        _check_device(opts)
-        cfg = JointConfig(base=opts.get("base") or default_model_dir(), data=opts["data"], output=opts["output"],
-                          rank=opts["rank"], alpha=opts["alpha"], decode_rank=opts["decode_rank"],
-                          epochs=opts["epochs"], batch_size=opts["batch_size"], lr=opts["lr"], seed=opts["seed"],
-                          kv_dtype=opts["kv_dtype"], autocast=bool(opts["bf16"]), threads=opts["threads"],
-                          device=opts.get("device") or "auto")
-        result = train_joint(cfg)
-    except (DataError, BadOption, FileNotFoundError, ModelLoadError, OSError) as exc:
-        print(f"agentshare finetune-joint: {exc}", file=sys.stderr)
-        return 2
+    _check_device(opts)
+    cfg = JointConfig(base=opts.get("base") or default_model_dir(), data=opts["data"], output=opts["output"],
+                      rank=opts["rank"], alpha=opts["alpha"], decode_rank=opts["decode_rank"],
+                      epochs=opts["epochs"], batch_size=opts["batch_size"], lr=opts["lr"], seed=opts["seed"],
+                      kv_dtype=opts["kv_dtype"], autocast=bool(opts["bf16"]), threads=opts["threads"],
+                      device=opts.get("device") or "auto")
+    result = train_joint(cfg)
     print(f"wrote the joint base {result.output} ({', '.join(result.tasks)}; {result.steps} steps, "
           f"{result.seconds:.0f} s): family {result.family[:12]}…, a new family; fine-tune each decode module "
           f"on it with `agentshare finetune --base {result.output}`")
-    return 0
