@@ -83,6 +83,8 @@ def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Pl
     from server.engine.numerics import dtype_name, resolve_dtype
     from server.kv.family import base_families, family_digest
     from server.models.patch import resolve_model_dir
+    from server.modules.manifest import ManifestError
+    from server.modules.registry import ModuleLoadError
     from server.vllm.launch import VllmInstances, plan_instances
 
     model_dir = resolve_model_dir(config.model_dir)
@@ -95,6 +97,8 @@ def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Pl
                               base_families=base_families(model_dir), base_name=config.base_name,
                               lora_instances=options.lora_instances, enforce_eager=options.enforce_eager,
                               with_base=with_base)
+    except (ModuleLoadError, ManifestError):
+        raise  # a module that cannot be served: the CLI's one line, as on the torch engine
     except ValueError as exc:  # the options and the model disagree: nothing has started
         raise PlanError(str(exc)) from None
     for spec in plan:

@@ -190,7 +190,7 @@ def test_killing_the_base_mid_request_falls_back_to_a_private_prefill(vllm_serve
     assert usage and max(usage) == 0.0  # the decode instance holds no block of a finished request
 
 
-def test_a_model_that_is_not_one_is_refused_in_one_line_before_any_instance_starts(tmp_path: Path) -> None:
+def test_a_model_or_module_that_cannot_be_served_is_refused_in_one_line_before_any_instance_starts(tmp_path: Path) -> None:
     missing, secret = tmp_path / "no-such-model", tmp_path / "cluster.secret"
     ClusterSecret.generate().write(secret)
     for command in (["serve", "--engine", "vllm"],
@@ -201,3 +201,11 @@ def test_a_model_that_is_not_one_is_refused_in_one_line_before_any_instance_star
         said = f"agentshare {command[0]}: {missing} is not a model directory (no config.json)"
         assert said in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr and "vllm_start" not in proc.stderr
+    # a LoRA trained on another base (the shipped coding module, trained on the team base) on the
+    # default model: the same one line, as on the torch engine
+    shipped = Path(__file__).resolve().parents[2] / "examples" / "modules" / "coding"
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--engine", "vllm", "--module",
+                           f"coder={shipped}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "agentshare serve: module 'coder': a LoRA adapter for another base model" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "vllm_start" not in proc.stderr

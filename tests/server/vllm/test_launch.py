@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from server.kv.family import family_digest
+from server.kv.family import base_families, family_digest
 from server.vllm import launch
 from server.vllm.launch import (
     BASE,
@@ -70,6 +70,20 @@ def test_a_layer_split_module_is_refused_before_any_instance_starts(tiny_model_d
                  lambda: agent_card(split, name="split", family=family)):
         with pytest.raises(ValueError, match="the vllm engine cannot serve the layer split"):
             call()
+
+
+def test_a_lora_for_another_base_is_refused_before_any_instance_starts(tiny_model_dir: Path, make_lora) -> None:
+    from server.modules.registry import ModuleLoadError
+
+    family = family_digest(tiny_model_dir, kv_dtype="float32")
+    alien = make_lora("alien", family="e" * 64)  # trained on weights this base does not have
+    with pytest.raises(ModuleLoadError, match="module 'alien': a LoRA adapter for another base model"):
+        plan_instances(tiny_model_dir, {"alien": alien}, family=family, dtype="float32",
+                       base_families=base_families(tiny_model_dir))
+    bf16 = make_lora("bf16", family=family_digest(tiny_model_dir, kv_dtype="bfloat16"))  # this base, bf16 KV
+    plan = plan_instances(tiny_model_dir, {"bf16": bf16}, family=family, dtype="float32",
+                          base_families=base_families(tiny_model_dir))
+    assert plan[1].modules["bf16"] != family  # served, with a private prefill
 
 
 def test_tensor_parallel_instances_start_on_every_rank_even_with_one_numa_node(
