@@ -16,6 +16,7 @@ from typing import cast
 
 import torch
 
+from server.engine import vllm_matmul
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineConfig, EngineCore
 from server.engine.cuda import device_name
@@ -107,7 +108,8 @@ def start_engine(
                                   "device_name": device_name(dev), "device_from": "auto" if str(device) == "auto" else "option",
                                   "kv_pool_bytes": core.kv.total_bytes, "kv_blocks": core.kv.num_blocks,
                                   "dtype": str(core.forward.weights.dtype),
-                                  "packed_linears": core.forward.weights.layers[0].qkv.packed is not None,
+                                  "linears": core.forward.weights.layers[0].qkv.kernel,
+                                  "vllm_matmul": vllm_matmul.status(),
                                   "malloc_keeps_freed": kept, "fused_kernels": fused})
         return core
 

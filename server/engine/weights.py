@@ -27,7 +27,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from server.engine import vllm_matmul
 from server.engine.numerics import cpu_has_native_bf16
+from server.engine.vllm_matmul import OneDnnWeight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -104,17 +106,26 @@ class Linear:
     ``packed``: the weight reordered once for oneDNN's bf16 kernels (AMX / AVX512-BF16), see
     :func:`pack_linear`. Packed linears compute through it, 20–35 % faster than ``F.linear`` on
     the default model's shapes; their ``weight`` keeps only its shape and dtype (on the meta
-    device), so packing does not double the memory.
+    device), so packing does not double the memory. ``matmul``: the weight packed for oneDNN's
+    matmul instead, where the vllm package provides it (:mod:`server.engine.vllm_matmul`).
     """
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None
+    matmul: OneDnnWeight | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul is not None:
+            return self.matmul(x, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def kernel(self) -> str:
+        """What computes this linear: ``onednn-matmul``, ``onednn-inner-product`` or ``torch``."""
+        return "onednn-matmul" if self.matmul is not None else "onednn-inner-product" if self.packed is not None else "torch"
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -129,7 +140,9 @@ def can_pack(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 
 
 def pack_linear(linear: Linear) -> Linear:
-    """``linear`` with its weight reordered for oneDNN (the plain weight is released).
+    """``linear`` with its weight reordered for oneDNN (the plain weight is released): for its
+    matmul where the vllm package provides it (:mod:`server.engine.vllm_matmul`), else for its
+    inner product.
 
     >>> lin = Linear(torch.randn(4, 8, dtype=torch.bfloat16))
     >>> x = torch.randn(3, 8, dtype=torch.bfloat16)
@@ -138,8 +151,11 @@ def pack_linear(linear: Linear) -> Linear:
     ('meta', True)
     """
     w = linear.weight
+    meta = torch.empty(w.shape, dtype=w.dtype, device="meta")
+    if vllm_matmul.available():  # oneDNN's matmul: faster at decode sizes, the same numbers
+        return Linear(meta, linear.bias, matmul=vllm_matmul.pack(w))
     packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
-    return Linear(torch.empty(w.shape, dtype=w.dtype, device="meta"), linear.bias, packed)
+    return Linear(meta, linear.bias, packed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,7 +109,7 @@ def test_bf16_packed_linears_compute_what_plain_linears_compute(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     packed = LlamaForward.from_hf(model, dtype=torch.bfloat16)
     plain = LlamaForward.from_hf(model, dtype=torch.bfloat16, pack=False)
-    assert packed.weights.layers[0].qkv.packed is not None and plain.weights.layers[0].qkv.packed is None
+    assert packed.weights.layers[0].qkv.kernel.startswith("onednn") and plain.weights.layers[0].qkv.kernel == "torch"
     assert packed.weights.layers[0].gate_up.weight.device.type == "meta"
     ids = _prompt(smollm2_tokenizer)
 

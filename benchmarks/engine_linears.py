@@ -1,0 +1,108 @@
+"""The torch engine's bf16 linears on oneDNN's inner product (torch) or matmul (the vllm
+package's CPU ops, ``server/engine/vllm_matmul.py``), side by side in one process.
+
+Both forwards hold the default model's weights, one per kernel. The arms alternate, A B A B, on
+a 2,048-token prefill and on decode steps of 1, 3 and 16 rows over a shared 2,048-token prefix.
+It prints medians per arm, and the median and range of the B / A ratios of each pair. The
+logits of the two kernels are compared first. Needs the vllm extra (run it with
+``.venv-vllm/bin/python``); not a test: the figures depend on the machine.
+
+    .venv-vllm/bin/python benchmarks/engine_linears.py --threads 2 --json results/engine_linears.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from unittest import mock
+
+import torch
+
+from server.engine import vllm_matmul
+from server.engine.batch import Chunk, SharedPrefix, plan_step
+from server.engine.forward import LlamaForward
+from server.kv.storage import KVStorage
+from server.models.loader import default_model_dir, load_model
+
+BLOCK = 16
+
+
+def _prefill(fwd: LlamaForward, ids: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
+    n = ids.numel()
+    kv = KVStorage(fwd.kv_spec(), num_blocks=n // BLOCK + 1, block_size=BLOCK)
+    plan = plan_step([Chunk(ids, start=0, slots=torch.arange(n))], block_size=BLOCK)
+    return lambda: [fwd(plan, kv)]
+
+
+def _decode(fwd: LlamaForward, ids: torch.Tensor, rows: int, steps: int) -> Callable[[], list[torch.Tensor]]:
+    """``rows`` requests over the shared prefix ``ids``, each decoding ``steps`` forced tokens."""
+    n = ids.numel()
+    prefix_blocks, own_blocks = n // BLOCK + 1, -(-steps // BLOCK)
+    kv = KVStorage(fwd.kv_spec(), num_blocks=prefix_blocks + rows * own_blocks, block_size=BLOCK)
+    fwd(plan_step([Chunk(ids, start=0, slots=torch.arange(n))], block_size=BLOCK), kv)
+    prefix = SharedPrefix(0, n)
+    own = [kv.slots(list(range(prefix_blocks + r * own_blocks, prefix_blocks + (r + 1) * own_blocks)))
+           for r in range(rows)]
+    forced = torch.randint(100, 40000, (steps, rows), generator=torch.Generator().manual_seed(1))
+    plans = [plan_step([Chunk(forced[s, r : r + 1], start=n + s, slots=own[r][: s + 1], prefix=prefix)
+                        for r in range(rows)], block_size=BLOCK) for s in range(steps)]
+    return lambda: [fwd(p, kv) for p in plans]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10, help="alternating pairs per workload")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 3, 16])
+    ap.add_argument("--json", help="write the figures to this path")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not vllm_matmul.available():
+        raise SystemExit(f"vLLM's oneDNN matmul is not available: {vllm_matmul.status()}")
+    model = load_model(default_model_dir()).model
+    matmul = LlamaForward.from_hf(model, dtype=torch.bfloat16)
+    with mock.patch.object(vllm_matmul, "available", lambda: False):
+        inner = LlamaForward.from_hf(model, dtype=torch.bfloat16)
+    assert (matmul.weights.layers[0].qkv.kernel, inner.weights.layers[0].qkv.kernel) == (
+        "onednn-matmul", "onednn-inner-product")
+    ids = torch.randint(100, 40000, (args.context,), generator=torch.Generator().manual_seed(0))
+    work: dict[str, tuple[int, dict[str, Callable[[], list[torch.Tensor]]]]] = {
+        f"prefill {args.context}": (1, {k: _prefill(f, ids) for k, f in (("inner", inner), ("matmul", matmul))})}
+    for r in args.rows:
+        work[f"decode {r} rows"] = (args.steps, {k: _decode(f, ids, r, args.steps)
+                                                 for k, f in (("inner", inner), ("matmul", matmul))})
+    results: dict[str, object] = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+                                  "torch": torch.__version__, "context": args.context, "runs": {}}
+    with torch.inference_mode():
+        for name, (per, arms) in work.items():
+            a, b = arms["inner"](), arms["matmul"]()  # warm-up, and the logits compared
+            diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
+            same = all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b, strict=True))
+            times: dict[str, list[float]] = {"inner": [], "matmul": []}
+            for _ in range(args.reps):
+                for arm, fn in arms.items():
+                    t = time.perf_counter()
+                    fn()
+                    times[arm].append((time.perf_counter() - t) / per * 1e3)
+            ratios = [m / i for i, m in zip(times["inner"], times["matmul"], strict=True)]
+            row = {"ms_per_step": {k: statistics.median(v) for k, v in times.items()},
+                   "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                   "max_logit_diff": diff, "same_argmax": same, "runs_ms": times}
+            results["runs"][name] = row  # type: ignore[index]
+            print(f"{name:16} inner product {row['ms_per_step']['inner']:7.1f} ms   matmul "
+                  f"{row['ms_per_step']['matmul']:7.1f} ms   matmul/inner {row['ratio_median']:.3f} "
+                  f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}, {args.reps} pairs)   "
+                  f"max |Δ logit| {diff:.3g}, same argmax: {same}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
