@@ -24,6 +24,7 @@ context, b streamed requests of 64 tokens: b·63 / (last finish − the moment a
     python benchmarks/headline_http.py --quick --json /tmp/headline_quick.json   # smoke: 1 rep, 512 tokens
     python benchmarks/headline_http.py --skip-vllm      # agentshare only
     AGENTSHARE_FUSED=off python benchmarks/headline_http.py --skip-vllm   # the engine without fused kernels
+    .venv-vllm/bin/python benchmarks/headline_http.py   # the engine's linears on vLLM's oneDNN matmul
 
 agentshare's fused elementwise kernels (``server/engine/elementwise.py``) are built first, once
 per machine, as a serving process would build them in the background.
@@ -389,6 +390,10 @@ def main() -> None:
                            stdout=subprocess.DEVNULL, env=os.environ | {"HF_HUB_OFFLINE": "1"})
             print(f"  agentshare: fused kernels ready after {time.perf_counter() - t0:.0f} s")
         res["config"]["fused_kernels"] = fused
+        from server.engine import vllm_matmul
+
+        # the server runs on this interpreter: the same answer as it gives
+        res["config"]["linears"] = "onednn-matmul" if vllm_matmul.available() else vllm_matmul.status()
         with launch("agentshare", cmd, os.environ | {"HF_HUB_OFFLINE": "1"}, cores_s, log_dir / "agentshare.log",
                     url) as startup:
             names = {m["id"] for m in httpx.get(f"{url}/v1/models", headers=headers("k0")).json()["data"]}
