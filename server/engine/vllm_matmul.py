@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
 import os
 import weakref
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger("agentshare.engine")
 
 _SCHEMA = "_C::onednn_mm(Tensor($0! -> ) c, Tensor a, Tensor? bias, Tensor handler_tensor) -> ()"
 _CACHE = 32
