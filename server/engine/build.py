@@ -26,7 +26,7 @@ from server.engine.elementwise import KernelSpec
 from server.engine.forward import LlamaForward
 from server.engine.modules import base_module, load_module
 from server.engine.numerics import choose_threads, dtype_name, resolve_dtype, set_threads
-from server.kv.family import base_families, family_digest
+from server.kv.family import family_parts
 from server.models.loader import load_model
 from server.models.patch import resolve_model_dir
 from server.process import keep_freed_memory
@@ -59,8 +59,8 @@ def load_engine(
     model_dir = resolve_model_dir(model_dir)
     loaded = load_model(model_dir)
     forward = LlamaForward.from_hf(loaded.model, dtype=dt, device=dev)
-    family = family_digest(model_dir, kv_dtype=dtype_name(dt))
-    families = base_families(model_dir)
+    parts = family_parts(model_dir, kv_dtype=dtype_name(dt))
+    family, families = parts.digest, parts.at_every_kv_dtype()
     table = {base_name: base_module(family, base_name)}
     for name, path in (modules or {}).items():
         if name in table:

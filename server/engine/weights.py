@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from server.engine import vllm_matmul
 from server.engine.numerics import cpu_has_native_bf16
-from server.engine.vllm_matmul import OneDnnWeight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -113,7 +112,7 @@ class Linear:
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     packed: torch.Tensor | None = None
-    matmul: OneDnnWeight | None = None
+    matmul: vllm_matmul.OneDnnWeight | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.matmul is not None:

@@ -79,6 +79,10 @@ class FamilyParts:
                        self.kv_layout, self.kv_dtype)).encode()
         ).hexdigest()
 
+    def at_every_kv_dtype(self) -> frozenset[str]:
+        """The digest of these parts at each of :data:`KV_DTYPES` (see :func:`base_families`)."""
+        return frozenset(replace(self, kv_dtype=d).digest for d in KV_DTYPES)
+
     def differences(self, other: FamilyParts) -> list[str]:
         """Names of the parts that differ, e.g. ``['tokenizer']``."""
         return [f for f in self.__slots__ if getattr(self, f) != getattr(other, f)]
@@ -108,8 +112,7 @@ def base_families(
     >>> len(fams), family_digest(d, kv_dtype="bfloat16", cache_dir=d / "cache") in fams
     (3, True)
     """
-    parts = family_parts(model_dir, kv_dtype=KV_DTYPES[0], kv_layout=kv_layout, cache_dir=cache_dir)
-    return frozenset(replace(parts, kv_dtype=d).digest for d in KV_DTYPES)
+    return family_parts(model_dir, kv_dtype=KV_DTYPES[0], kv_layout=kv_layout, cache_dir=cache_dir).at_every_kv_dtype()
 
 
 def family_parts(

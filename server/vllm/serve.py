@@ -81,7 +81,7 @@ class _Planned:
 def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Planned:
     from server.engine.device import DEFAULT_CPU_KV_BYTES
     from server.engine.numerics import dtype_name, resolve_dtype
-    from server.kv.family import base_families, family_digest
+    from server.kv.family import family_parts
     from server.models.patch import resolve_model_dir
     from server.modules.manifest import ManifestError
     from server.modules.registry import ModuleLoadError
@@ -89,12 +89,13 @@ def _plan(config: ServerConfig, options: VllmOptions, *, with_base: bool) -> _Pl
 
     model_dir = resolve_model_dir(config.model_dir)
     dtype = dtype_name(resolve_dtype(config.dtype))
-    family = family_digest(model_dir, kv_dtype=dtype)
+    parts = family_parts(model_dir, kv_dtype=dtype)
+    family = parts.digest
     kv_bytes = config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES  # each instance's --kv-cache-memory-bytes
     try:
         max_context = context_limit(model_dir, dtype, kv_bytes, options.tensor_parallel)
         plan = plan_instances(model_dir, config.modules, family=family, dtype=dtype,
-                              base_families=base_families(model_dir), base_name=config.base_name,
+                              base_families=parts.at_every_kv_dtype(), base_name=config.base_name,
                               lora_instances=options.lora_instances, enforce_eager=options.enforce_eager,
                               with_base=with_base)
     except (ModuleLoadError, ManifestError):
