@@ -64,6 +64,8 @@ MODULES: dict[str, Module] = {
     # the vllm engine's prefix store and its transfer between hosts (what reaches a decode instance)
     "store": Module("server/vllm/store.py", ("tests/server/vllm/test_store.py",)),
     "relay": Module("server/vllm/relay.py", ("tests/server/vllm/test_relay.py",)),
+    # which module directories share the base's prefill, get a private one, or are refused
+    "registry": Module("server/modules/registry.py", ("tests/server/modules/test_registry.py",)),
 }
 LINKED = ("agentshare", "server", "tests", "conftest.py")
 SURVIVED = {"survived", "no tests"}

@@ -54,8 +54,26 @@ def test_a_lora_trained_on_another_base_is_refused(make_lora, tiny_family, tiny_
     with pytest.raises(ModuleLoadError, match=r"another base model \(trained on /models/other-base\).*"
                                               r"eeeeeeeeeeee….*--model set to the base it was trained on"):
         load(alien, tiny_family, base_families(tiny_model_dir))
-    with pytest.raises(ModuleLoadError, match="another base model: its manifest names family eeeeeeeeeeee"):
+    with pytest.raises(ModuleLoadError, match=r"^module 'm': a LoRA adapter for another base model: its manifest "
+                                              r"names family eeeeeeeeeeee"):
         load(make_lora("alien", family="e" * 64), tiny_family)  # no training record: no base named
+    Manifest(name=m.name, kind=m.kind, family=m.family, lora=m.lora,  # the record's own "base" comes first
+             training={"base": "/models/the-patch", "config": {"base": "/cache/patched-1"}}).write(alien)
+    with pytest.raises(ModuleLoadError, match=r"another base model \(trained on /models/the-patch\)"):
+        load(alien, tiny_family, base_families(tiny_model_dir))
+
+
+def test_a_full_module_of_another_family_is_served_privately_and_says_so(make_full, tiny_family, tiny_model_dir,
+                                                                         tmp_path):
+    """A full module is its own model: another family's manifest gets a private prefill, not a refusal."""
+    import shutil
+
+    d = shutil.copytree(make_full("other"), tmp_path / "other")
+    m = Manifest.read(d)
+    Manifest(name=m.name, kind=m.kind, family="e" * 64).write(d)
+    found = load(d, tiny_family, base_families(tiny_model_dir))
+    assert not found.shares_prefill
+    assert found.reason == f"manifest names family {'e' * 12}…, not the server's {tiny_family[:12]}…: private prefill"
 
 
 def test_a_layer_split_module_is_its_own_module_and_keeps_its_k(make_lora, tiny_family, tiny_model_dir):
