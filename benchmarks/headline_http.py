@@ -1,7 +1,10 @@
 """The headline over HTTP, beside vLLM: 3 agents on one 2,048-token context, 64 greedy tokens each.
 
-Both servers are launched by this script, one after the other, pinned to the same cores
-(``taskset``), bf16, and measured through their OpenAI endpoints (``/v1/chat/completions``):
+Both servers are launched by this script and run side by side, pinned to the same cores
+(``taskset``), bf16, and measured through their OpenAI endpoints (``/v1/chat/completions``). Every
+measurement is taken on each server in turn (forward on even reps, backward on odd ones, after
+``--settle`` seconds of quiet), so both see the same minutes of a host whose speed drifts; each
+arm's time is reported over vLLM's as a ratio of medians and rep by rep:
 
     vllm          vLLM's OpenAI server, prefix caching on; the 3 requests on the base model
     base          agentshare, the 3 requests on the base model
@@ -13,8 +16,7 @@ Both servers are launched by this script, one after the other, pinned to the sam
 Each arm sends its 3 requests together ([system: context, user: instruction], temperature 0,
 max_tokens 64, ignore_eos) and times them until the last response; every rep of every arm gets a
 fresh context (windows of Python standard-library sources, exactly N tokens by the model's
-tokenizer), so nothing is served from an earlier request's cache. The agentshare arms alternate
-their order across reps. Beside private/shared stands the prediction (N·P + D) / (P + D) of
+tokenizer), so nothing is served from an earlier request's cache. Beside private/shared stands the prediction (N·P + D) / (P + D) of
 docs/design.md §7: P, one prefill of a fresh context alone (max_tokens=1); D, the 3 LoRA agents
 on that context once it is cached. Also, on each server: prefill tok/s (one request, a fresh
 context as one user message, max_tokens=1) and decode tok/s at batch b (a warmed 2,048-token
@@ -51,7 +53,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -161,42 +164,73 @@ def med(runs: list[JSON], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-async def bench_server(url: str, name: str, contexts: Contexts, args: argparse.Namespace,
-                       arms: dict[str, Agents]) -> JSON:
-    """Warm-up, prefill and decode rates on the base model, then the headline arms (and P, D if LoRA)."""
-    key = next(iter(arms.values()))[0][1]
-    out: JSON = {"prefill": {}, "decode": {}, "headline": {arm: [] for arm in arms}, "P": [], "D": []}
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(1800.0)) as client:
-        for model in sorted({m for agents in arms.values() for m, _ in agents}):
-            await chat(client, request(model, "Hello.", "Say hi.", 4), key)
-        for n in args.prefill_sizes:
-            runs = []
-            for _ in range(args.reps):
+@dataclass
+class Server:
+    """One launched server: its client, the API key of its warm-up and rate requests, its arms."""
+
+    name: str
+    client: httpx.AsyncClient
+    arms: dict[str, Agents]
+    out: JSON = field(default_factory=dict)
+
+    @property
+    def key(self) -> str | None:
+        return next(iter(self.arms.values()))[0][1]
+
+
+def in_turn(items: list[Any], rep: int) -> list[Any]:
+    """Forward on even reps, backward on odd ones: a drift of the host's speed over a rep's minutes
+    falls on every item alike, pair by pair."""
+    return list(items) if rep % 2 == 0 else list(items)[::-1]
+
+
+async def bench(servers: list[Server], contexts: Contexts, args: argparse.Namespace) -> None:
+    """Warm-ups, then prefill and decode rates on the base model, then the headline arms (and P, D
+    where an arm shares LoRA modules), every measurement taken on each server in turn before the
+    next, so that both see the same minutes of this host."""
+    for s in servers:
+        s.out = {"prefill": {}, "decode": {}, "headline": {arm: [] for arm in s.arms}, "P": [], "D": []}
+        for model in sorted({m for agents in s.arms.values() for m, _ in agents}):
+            await chat(s.client, request(model, "Hello.", "Say hi.", 4), s.key)
+    for n in args.prefill_sizes:
+        for rep in range(args.reps):
+            for s in in_turn(servers, rep):
+                await asyncio.sleep(args.settle)
                 context = contexts.take(n)
                 t0 = time.perf_counter()
-                await chat(client, request("base", context, None, 1), key)
+                await chat(s.client, request("base", context, None, 1), s.key)
                 wall = time.perf_counter() - t0
-                runs.append({"wall_s": wall, "tok_s": n / wall})
-            out["prefill"][n] = {"tok_s": med(runs, "tok_s"), "runs": runs}
-            print(f"  {name}: prefill {n} tokens: {out['prefill'][n]['tok_s']:.0f} tok/s")
-        for b in args.batches:
-            runs = [await decode_rate(client, contexts, b, args.context, key) for _ in range(args.reps)]
-            out["decode"][b] = {"tok_s": med(runs, "tok_s"), "runs": runs}
-            print(f"  {name}: decode batch {b}: {out['decode'][b]['tok_s']:.1f} tok/s")
+                s.out["prefill"].setdefault(n, {"runs": []})["runs"].append({"wall_s": wall, "tok_s": n / wall})
+        for s in servers:
+            s.out["prefill"][n]["tok_s"] = med(s.out["prefill"][n]["runs"], "tok_s")
+            print(f"  {s.name}: prefill {n} tokens: {s.out['prefill'][n]['tok_s']:.0f} tok/s")
+    for b in args.batches:
         for rep in range(args.reps):
-            for arm in list(arms) if rep % 2 == 0 else list(arms)[::-1]:
-                run = await together(client, arms[arm], contexts.take(args.context)) | {"rep": rep}
-                out["headline"][arm].append(run)
-                print(f"  {name}: rep {rep} {arm}: {run['wall_s']:.2f} s, cached {run['cached_tokens']}")
-            if "lora_shared" in arms:  # P: one prefill alone; D: the same agents, the context cached
+            for s in in_turn(servers, rep):
+                await asyncio.sleep(args.settle)
+                run = await decode_rate(s.client, contexts, b, args.context, s.key)
+                s.out["decode"].setdefault(b, {"runs": []})["runs"].append(run)
+        for s in servers:
+            s.out["decode"][b]["tok_s"] = med(s.out["decode"][b]["runs"], "tok_s")
+            print(f"  {s.name}: decode batch {b}: {s.out['decode'][b]['tok_s']:.1f} tok/s")
+    arms = [(s, arm) for s in servers for arm in s.arms]
+    for rep in range(args.reps):
+        for s, arm in in_turn(arms, rep):
+            await asyncio.sleep(args.settle)
+            run = await together(s.client, s.arms[arm], contexts.take(args.context)) | {"rep": rep}
+            s.out["headline"][arm].append(run)
+            print(f"  {s.name}: rep {rep} {arm}: {run['wall_s']:.2f} s, cached {run['cached_tokens']}")
+        for s in servers:
+            if "lora_shared" in s.arms:  # P: one prefill alone; D: the same agents, the context cached
+                await asyncio.sleep(args.settle)
                 context = contexts.take(args.context)
                 t0 = time.perf_counter()
-                await chat(client, request("base", context, INSTRUCTIONS[0], 1), key)
-                out["P"].append(time.perf_counter() - t0)
-                d = await together(client, arms["lora_shared"], context)
-                out["D"].append(d["wall_s"])
-                print(f"  {name}: rep {rep} P {out['P'][-1]:.2f} s, D {d['wall_s']:.2f} s, cached {d['cached_tokens']}")
-    return out
+                await chat(s.client, request("base", context, INSTRUCTIONS[0], 1), s.key)
+                s.out["P"].append(time.perf_counter() - t0)
+                d = await together(s.client, s.arms["lora_shared"], context)
+                s.out["D"].append(d["wall_s"])
+                print(f"  {s.name}: rep {rep} P {s.out['P'][-1]:.2f} s, D {d['wall_s']:.2f} s, "
+                      f"cached {d['cached_tokens']}")
 
 
 def free_port() -> int:
@@ -299,11 +333,13 @@ def report(res: JSON, n_agents: int) -> None:
     ref = h["arms"].get("vllm", {}).get("median_s")
     print(f"\nheadline: {n_agents} agents, {res['config']['context']}-token context, {OUT_TOKENS} tokens each, "
           f"{res['config']['reps']} reps, cores {res['machine']['cores_used']}")
-    print(f"{'arm':<14}{'median s':>10}  {'runs':<26}{'time / vllm':>12}")
+    print(f"{'arm':<14}{'median s':>10}  {'runs':<26}{'time / vllm':>12}  {'rep by rep (median)':<24}")
     for arm, a in h["arms"].items():
         runs = " ".join(f"{r['wall_s']:.2f}" for r in a["runs"])
         ratio = f"{a['median_s'] / ref:.2f}x" if ref else "-"
-        print(f"{arm:<14}{a['median_s']:>10.2f}  {runs:<26}{ratio:>12}")
+        paired = (" ".join(f"{x:.2f}" for x in a["paired_ratios"]) + f" ({a['paired_ratio_median']:.2f}x)"
+                  if ref else "-")
+        print(f"{arm:<14}{a['median_s']:>10.2f}  {runs:<26}{ratio:>12}  {paired}")
     if "predicted" in h:
         print(f"private/shared {h['private_over_shared']:.2f}x; predicted (N·P+D)/(P+D) {h['predicted']:.2f}x "
               f"(P {h['P_s']:.2f} s, D {h['D_s']:.2f} s); measured/predicted {h['measured_over_predicted']:.0%}")
@@ -324,6 +360,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="interpreter with vllm (default: $AGENTSHARE_VLLM_PYTHON, else this one if it has the vllm extra)")
     ap.add_argument("--cores", help="cores both servers run on, e.g. 0-1 (default: all this process may use)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="seconds of quiet before each measurement, so that one server's threads stop spinning "
+                         "before the other's run (default 1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.context, args.batches, args.prefill_sizes = 2048, [1, 4, 16], [512, 2048]
@@ -353,15 +392,16 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
                      "vllm": vinfo.split()[0] if py else None, "vllm_torch": vinfo.split()[-1] if py else None,
                      "vllm_skipped": None if py else vinfo},
-        "config": {"agents": 3, "context": args.context, "out_tokens": OUT_TOKENS, "reps": args.reps,
+        "config": {"interleaved": True, "settle_s": args.settle, "agents": 3, "context": args.context, "out_tokens": OUT_TOKENS, "reps": args.reps,
                    "dtype": args.dtype, "batches": args.batches, "prefill_sizes": args.prefill_sizes,
                    "quick": args.quick, "model_dir": str(model_dir), "logs": str(log_dir)},
         "servers": {},
     }
     print(f"model {model_dir.name}, {args.dtype}, cores {cores_s}, logs in {log_dir}")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as running:
         family = family_digest(model_dir, kv_dtype=dtype_name(resolve_dtype(args.dtype)))
         modules = make_loras(model_dir, 3, family, Path(tmp))
+        launched: list[tuple[str, str, dict[str, Agents]]] = []  # (name, url, arms)
         if py is not None:
             port = free_port()
             env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cores_s, "VLLM_CPU_KVCACHE_SPACE": "4",
@@ -372,9 +412,9 @@ def main() -> None:
                    "--enable-prefix-caching", "--enable-prompt-tokens-details"]  # the last: cached_tokens in usage
             url, log = f"http://127.0.0.1:{port}", log_dir / "vllm.log"
             print("vLLM:")
-            with launch("vllm", cmd, env, cores_s, log, url) as startup:
-                out = asyncio.run(bench_server(url, "vllm", contexts, args, {"vllm": [("base", None)] * 3}))
-            res["servers"]["vllm"] = out | {"startup_s": startup, "prefix_cache_log": vllm_cache_lines(log)}
+            startup = running.enter_context(launch("vllm", cmd, env, cores_s, log, url))
+            res["servers"]["vllm"] = {"startup_s": startup}
+            launched.append(("vllm", url, {"vllm": [("base", None)] * 3}))
         port, keys = free_port(), ["k0", "k1", "k2"]
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--threads", str(len(cores)),
                "--dtype", args.dtype, "--kv-cache", "3GiB"]
@@ -394,21 +434,39 @@ def main() -> None:
 
         # the server runs on this interpreter: the same answer as it gives
         res["config"]["linears"] = "onednn-matmul" if vllm_matmul.available() else vllm_matmul.status()
-        with launch("agentshare", cmd, os.environ | {"HF_HUB_OFFLINE": "1"}, cores_s, log_dir / "agentshare.log",
-                    url) as startup:
-            names = {m["id"] for m in httpx.get(f"{url}/v1/models", headers=headers("k0")).json()["data"]}
-            if not {"base", *modules} <= names:
-                raise RuntimeError(f"agentshare serves {sorted(names)}, not base and {sorted(modules)}")
-            arms: dict[str, Agents] = {"base": [("base", "k0")] * 3,
-                                       "lora_shared": [(f"agent{i}", "k0") for i in range(3)],
-                                       "lora_private": [(f"agent{i}", keys[i]) for i in range(3)]}
-            ours = asyncio.run(bench_server(url, "agentshare", contexts, args, arms))
-        res["servers"]["agentshare"] = ours | {"startup_s": startup}
+        startup = running.enter_context(launch("agentshare", cmd, os.environ | {"HF_HUB_OFFLINE": "1"}, cores_s,
+                                               log_dir / "agentshare.log", url))
+        res["servers"]["agentshare"] = {"startup_s": startup}
+        names = {m["id"] for m in httpx.get(f"{url}/v1/models", headers=headers("k0")).json()["data"]}
+        if not {"base", *modules} <= names:
+            raise RuntimeError(f"agentshare serves {sorted(names)}, not base and {sorted(modules)}")
+        launched.append(("agentshare", url, {"base": [("base", "k0")] * 3,
+                                             "lora_shared": [(f"agent{i}", "k0") for i in range(3)],
+                                             "lora_private": [(f"agent{i}", keys[i]) for i in range(3)]}))
+        print("both servers up; every measurement alternates between them" if len(launched) > 1 else "measuring:")
+
+        async def measure() -> list[Server]:
+            async with AsyncExitStack() as clients:
+                servers = [Server(name, await clients.enter_async_context(
+                    httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(1800.0))), arms)
+                    for name, url, arms in launched]
+                await bench(servers, contexts, args)
+                return servers
+
+        for s in asyncio.run(measure()):
+            res["servers"][s.name] |= s.out
+        if py is not None:
+            res["servers"]["vllm"]["prefix_cache_log"] = vllm_cache_lines(log_dir / "vllm.log")
+    ours = res["servers"]["agentshare"]
     runs = {arm: r for s in res["servers"].values() for arm, r in s["headline"].items()}
     arms_out = {arm: {"median_s": med(r, "wall_s"), "runs": r} for arm, r in runs.items()}
     if "vllm" in arms_out:
         for a in arms_out.values():
             a["ratio_to_vllm"] = a["median_s"] / arms_out["vllm"]["median_s"]
+            # the same rep of both servers, minutes apart at most: each pair's ratio, then their median
+            a["paired_ratios"] = [r["wall_s"] / v["wall_s"] for r, v in zip(a["runs"], arms_out["vllm"]["runs"],
+                                                                             strict=True)]
+            a["paired_ratio_median"] = statistics.median(a["paired_ratios"])
     P, D = statistics.median(ours["P"]), statistics.median(ours["D"])
     measured = arms_out["lora_private"]["median_s"] / arms_out["lora_shared"]["median_s"]
     predicted = (3 * P + D) / (P + D)
