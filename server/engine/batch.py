@@ -102,6 +102,33 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class WholeSequences:
+    """A step of single-token requests laid out for a kernel that reads each request's whole
+    sequence (shared prefix, then its own slots) through a table of slots
+    (:mod:`server.engine.vllm_attention`)."""
+
+    table: torch.Tensor  # [R, L] int32: request r's slots in position order, then zeros
+    lengths: torch.Tensor  # [R] int64
+    requests: torch.Tensor  # [R] int64: 0..R-1, the row of ``table`` each request reads
+    loc: torch.Tensor  # [R] int64: where new K/V would be written; unused (already written)
+
+    @classmethod
+    def of(cls, slots: list[torch.Tensor]) -> WholeSequences:
+        """From each request's slots in position order.
+
+        >>> WholeSequences.of([torch.arange(3), torch.tensor([7])]).table.tolist()
+        [[0, 1, 2], [7, 0, 0]]
+        """
+        lengths = [int(s.numel()) for s in slots]
+        table = torch.zeros(len(slots), max(lengths), dtype=torch.int32)
+        for r, s in enumerate(slots):
+            table[r, : lengths[r]] = s
+        rows = len(slots)
+        return cls(table, torch.tensor(lengths, dtype=torch.long), torch.arange(rows),
+                   torch.zeros(rows, dtype=torch.long))
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkPart:
     """A multi-token chunk: rows ``[lo, hi)`` attend their history and (causally) themselves."""
 
@@ -121,6 +148,8 @@ class StepPlan:
     logit_rows: torch.Tensor | None  # rows whose logits are returned; None: all rows
     row_spans: tuple[tuple[int, int], ...] = field(default=())  # request i -> rows [lo, hi)
     max_position: int = 0  # the step's last position (known on the host, wherever the step runs)
+    sequences: WholeSequences | None = None
+    """Set for a step of at most ``whole_sequences`` single-token requests, when asked for."""
 
     @property
     def num_tokens(self) -> int:
@@ -134,10 +163,13 @@ def plan_step(
     all_logits: bool = False,
     mask_dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    whole_sequences: int = 0,
 ) -> StepPlan:
     """Lay out one forward step. Logits: each request's last token, or every token.
 
-    Rows follow the order of ``chunks``; request ``i`` owns rows ``plan.row_spans[i]``.
+    Rows follow the order of ``chunks``; request ``i`` owns rows ``plan.row_spans[i]``. A step of
+    at most ``whole_sequences`` requests, one new token each, also gets their whole sequences
+    (:class:`WholeSequences`; on the host).
     """
     if not chunks:
         raise ValueError("a step needs at least one chunk")
@@ -189,6 +221,13 @@ def plan_step(
             parts.append(ChunkPart(lo, hi, history.to(device) if isinstance(history, torch.Tensor) else history))
 
     logit_rows = None if all_logits else as_rows([hi - 1 for _, hi in spans])
+    sequences = None
+    if len(decode_idx) == len(chunks) <= whole_sequences:
+        sequences = WholeSequences.of([
+            c.slots if c.prefix is None else
+            torch.cat([torch.arange(c.prefix.first_block * block_size,
+                                    c.prefix.first_block * block_size + c.prefix.num_tokens), c.slots])
+            for c in chunks])
     return StepPlan(
         token_ids=torch.cat(ids).to(device),
         positions=torch.cat(positions).to(device),
@@ -199,6 +238,7 @@ def plan_step(
         logit_rows=logit_rows,
         row_spans=tuple(spans),
         max_position=max(c.start + c.num_new - 1 for c in chunks),
+        sequences=sequences,
     )
 
 

@@ -16,7 +16,7 @@ from typing import cast
 
 import torch
 
-from server.engine import vllm_matmul
+from server.engine import vllm_attention, vllm_matmul
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineConfig, EngineCore
 from server.engine.cuda import device_name
@@ -110,6 +110,8 @@ def start_engine(
                                   "dtype": str(core.forward.weights.dtype),
                                   "linears": core.forward.weights.layers[0].qkv.kernel,
                                   "vllm_matmul": vllm_matmul.status(),
+                                  "decode_attention": "vllm" if core.runner.whole_sequences else "cascade",
+                                  "vllm_attention": vllm_attention.status(),
                                   "malloc_keeps_freed": kept, "fused_kernels": fused})
         return core
 

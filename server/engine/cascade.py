@@ -10,6 +10,9 @@ For every query row the step combines up to three partials, merged by LSE:
 * **chunk suffix** — a multi-token chunk attends its history (a view when its slots are
   contiguous, a gather otherwise) and itself, causally, straight from the fresh K/V.
 
+A step of a few single-token requests whose plan carries their whole sequences goes instead
+through one call of vLLM's decode kernel where it serves (:mod:`server.engine.vllm_attention`).
+
 >>> import torch
 >>> from server.engine.batch import Chunk, plan_step
 >>> kc, vc = torch.randn(2, 64, 16), torch.randn(2, 64, 16)         # Hkv=2, 64 slots, D=16
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from server.engine import vllm_attention
 from server.engine.attention import Partial, merge_partials, partial_attention
 from server.engine.batch import ChunkPart, DecodeGroup, PrefixGroup, StepPlan
 
@@ -42,6 +46,8 @@ def cascade_attention(
     ``k_new``/``v_new`` [T, Hkv, D] are this step's keys/values, already written to
     ``plan.write_slots`` of ``k_cache``/``v_cache`` [Hkv, slots, D].
     """
+    if plan.sequences is not None and vllm_attention.serves(q.dtype, q.device):
+        return vllm_attention.decode(q, k_cache, v_cache, plan.sequences, scale)
     t, hkv, g, d = q.shape
     if plan.decode is not None and plan.decode.rows is None and not plan.chunks:
         suffix = _decode_partial(q, k_cache, v_cache, plan.decode, scale)

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from server.engine.batch import Chunk, SharedPrefix, plan_step
+from server.engine import vllm_attention
+from server.engine.batch import Chunk, SharedPrefix, StepPlan, plan_step
 from server.engine.config import EngineStats
 from server.engine.forward import Join, LlamaForward
 from server.engine.graphs import DecodeGraphs
@@ -57,6 +58,8 @@ class ModelRunner:
     ) -> None:
         self.forward, self.kv, self.block_size, self.stats = forward, kv, block_size, stats
         self.device = forward.weights.device  # the step's index tensors go there; logits come back to the host
+        # decode steps of at most this many requests carry their whole sequences, for vLLM's kernel
+        self.whole_sequences = vllm_attention.MAX_ROWS if vllm_attention.serves(forward.weights.dtype, self.device) else 0
         self.module_index: dict[str, int] = {}  # LoRA module -> its row id in a step's deltas
         self.lora = LoraBank()  # every LoRA module's deltas, stacked per set of modules in a step
         self.graphs: DecodeGraphs | None = None  # the base call's decode steps from CUDA graphs
@@ -100,12 +103,15 @@ class ModelRunner:
                 rows = self._to_host(logits, [last[j] for j in range(len(items))], [greedy[i] for i in idx])
             else:
                 parts = [_Part(j, *it, 0) for j, it in enumerate(items)]
-                plan = plan_step([self._chunk(*it) for it in items], block_size=self.block_size, device=self.device)
+                plan = self._plan([self._chunk(*it) for it in items])
                 rows = self._to_host(self._own[key](plan, self.kv), list(range(len(items))), [greedy[i] for i in idx])
             for i, row in zip(idx, rows, strict=True):
                 out[i] = row
             self._count_rows(parts, own=key is not None)
         return out  # type: ignore[return-value]  # every index was filled by its call
+
+    def _plan(self, chunks: list[Chunk]) -> StepPlan:
+        return plan_step(chunks, block_size=self.block_size, device=self.device, whole_sequences=self.whole_sequences)
 
     @staticmethod
     def _parts(items: list[WorkItem]) -> list[_Part]:
@@ -128,7 +134,7 @@ class ModelRunner:
         chunks = [self._chunk(p.seq, p.start, p.n) for p in parts]
         layers = sorted({p.layer for p in parts})
         if layers == [0]:
-            plan = plan_step(chunks, block_size=self.block_size, device=self.device)
+            plan = self._plan(chunks)
             if self.graphs is not None:
                 lora = any(p.seq.module_index >= 0 for p in parts)
                 rows = torch.tensor([p.seq.module_index for p in parts]) if lora else None
@@ -139,7 +145,7 @@ class ModelRunner:
         stages = []  # (layer, the plan from it on, its joining rows' source slots)
         for layer in layers:
             upto = sum(1 for p in parts if p.layer <= layer)
-            plan = plan_step(chunks[:upto], block_size=self.block_size, device=self.device)
+            plan = self._plan(chunks[:upto])
             stages.append((layer, plan, self._copy_lower(layer, [p for p in parts if p.layer == layer])))
         first, plan, src = stages[0]
         joins = [Join(layer, self.kv.hidden[layer].index_select(0, s), p) for layer, p, s in stages[1:]]

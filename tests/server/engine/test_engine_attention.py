@@ -97,3 +97,20 @@ def test_cascade_attention_of_a_mixed_step_equals_plain_attention() -> None:
         keep = torch.ones(n, length, dtype=torch.bool).tril(length - n)
         want = _plain(qq, kk[:, None], vv[:, None], keep).permute(2, 0, 1, 3)
         torch.testing.assert_close(got[lo:hi], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_of_few_single_token_requests_carries_their_whole_sequences_when_asked() -> None:
+    block = 4
+    prefix = SharedPrefix(first_block=2, num_tokens=6)  # slots 8..13
+    decodes = [Chunk([5], start=8, slots=torch.tensor([20, 21, 30]), prefix=prefix),
+               Chunk([6], start=1, slots=torch.tensor([40, 41]))]
+    plan = plan_step(decodes, block_size=block, whole_sequences=2)
+    assert plan.sequences is not None
+    assert plan.sequences.table.dtype == torch.int32 and plan.sequences.lengths.tolist() == [9, 2]
+    assert plan.sequences.table.tolist() == [[8, 9, 10, 11, 12, 13, 20, 21, 30], [40, 41, 0, 0, 0, 0, 0, 0, 0]]
+    assert plan.sequences.requests.tolist() == [0, 1] and plan.sequences.loc.shape == (2,)
+    # not asked, too many requests, or a chunk of several tokens in the step: the cascade's plan only
+    assert plan_step(decodes, block_size=block).sequences is None
+    assert plan_step(decodes, block_size=block, whole_sequences=1).sequences is None
+    mixed = [*decodes, Chunk([1, 2], start=0, slots=torch.tensor([50, 51]))]
+    assert plan_step(mixed, block_size=block, whole_sequences=8).sequences is None
