@@ -123,3 +123,24 @@ def test_the_engine_decodes_a_few_requests_through_the_kernel(base_dir: Path, mo
     assert done == {"r0": 12, "r1": 12, "r2": 12}
     assert calls and set(calls) <= {1, 2, 3}  # every decode step of the three, 30 layers each
     assert len(calls) >= 30 * 10
+
+
+@pytest.mark.timeout(300)
+def test_the_benchmark_runs_both_ways_and_writes_its_figures(tmp_path: Path) -> None:
+    """benchmarks/decode_attention.py, cut short: both parts, both arms, their comparison."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "attention.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_attention.py"
+    proc = subprocess.run([sys.executable, str(script), "--context", "64", "--layer-rows", "1", "3", "--calls", "5",
+                           "--rows", "2", "--steps", "2", "--reps", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res["layer"]) == {"1", "3"} and set(res["forward"]) == {"2"}
+    for row in res["layer"].values():
+        assert row["cascade_us"] > 0 and row["kernel_us"] > 0 and row["max_abs_diff"] < 0.05
+    fwd = res["forward"]["2"]
+    assert fwd["ms_per_step"]["cascade"] > 0 and fwd["ms_per_step"]["kernel"] > 0 and fwd["max_logit_diff"] < 2

@@ -1,0 +1,147 @@
+"""Decode attention on the cascade (torch's flash kernel) or on vLLM's CPU decode kernel
+(``server/engine/vllm_attention.py``), side by side in one process.
+
+Two parts, both over a shared prefix of ``--context`` tokens, bf16:
+
+* **one layer's attention** (the default model's heads: 3 KV heads of 3 query heads, D = 64): the
+  cascade's prefix partial, the requests' own partial and their merge, against one call of the
+  kernel over each request's whole sequence; medians of ``--calls`` calls per request count;
+* **the engine's forward**, the default model: ``--steps`` decode steps of R requests with and
+  without their whole sequences in the plan, alternating, ``--reps`` pairs per R; the logits of
+  both arms are compared.
+
+Needs the vllm extra (run it with ``.venv-vllm/bin/python``); not a test: the figures depend on
+the machine.
+
+    .venv-vllm/bin/python benchmarks/decode_attention.py --threads 2 --json results/decode_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from server.engine import vllm_attention
+from server.engine.attention import merge_partials
+from server.engine.batch import Chunk, SharedPrefix, plan_step
+from server.engine.cascade import _decode_partial, _prefix_partial
+from server.engine.forward import LlamaForward
+from server.kv.storage import KVStorage
+from server.models.loader import default_model_dir, load_model
+
+BLOCK = 16
+OWN = 40  # tokens of each request's own past the prefix, in the layer part
+
+
+def _median_us(fn: Callable[[], object], calls: int) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def layer(rows: int, context: int, calls: int) -> dict[str, float]:
+    """One layer's attention of ``rows`` single-token requests, both ways."""
+    hkv, g, d = 3, 3, 64
+    gen = torch.Generator().manual_seed(rows)
+    slots = context + rows * 2 * BLOCK * 4
+    k_cache = torch.randn(hkv, slots, d, generator=gen).bfloat16()
+    v_cache = torch.randn(hkv, slots, d, generator=gen).bfloat16()
+    q = torch.randn(rows, hkv, g, d, generator=gen).bfloat16()
+    own = [torch.arange(context + 128 * r, context + 128 * r + OWN + r) for r in range(rows)]
+    prefix = SharedPrefix(0, context)
+    chunks = [Chunk([1], start=context + len(o) - 1, slots=o, prefix=prefix) for o in own]
+    plan = plan_step(chunks, block_size=BLOCK, whole_sequences=rows)
+    assert plan.decode is not None and plan.sequences is not None
+    group, decode, seqs = plan.prefix_groups[0], plan.decode, plan.sequences
+    scale = d**-0.5
+
+    def cascade() -> torch.Tensor:
+        parts = [_prefix_partial(q, k_cache, v_cache, group, scale), _decode_partial(q, k_cache, v_cache, decode, scale)]
+        return merge_partials(parts)[0]
+
+    def kernel() -> torch.Tensor:
+        return vllm_attention.decode(q, k_cache, v_cache, seqs, scale)
+
+    diff = (cascade().float() - kernel().float()).abs().max().item()
+    return {"cascade_us": _median_us(cascade, calls), "kernel_us": _median_us(kernel, calls), "max_abs_diff": diff}
+
+
+def forward(fwd: LlamaForward, ids: torch.Tensor, rows: int, steps: int, reps: int) -> dict[str, object]:
+    """``steps`` decode steps of ``rows`` requests over the prefix ``ids``, both ways, alternating."""
+    n = ids.numel()
+    prefix_blocks, own_blocks = n // BLOCK + 1, -(-steps // BLOCK)
+
+    def arm(whole: int) -> Callable[[], list[torch.Tensor]]:
+        kv = KVStorage(fwd.kv_spec(), num_blocks=prefix_blocks + rows * own_blocks, block_size=BLOCK)
+        fwd(plan_step([Chunk(ids, start=0, slots=torch.arange(n))], block_size=BLOCK), kv)
+        prefix = SharedPrefix(0, n)
+        own = [kv.slots(list(range(prefix_blocks + r * own_blocks, prefix_blocks + (r + 1) * own_blocks)))
+               for r in range(rows)]
+        forced = torch.randint(100, 40000, (steps, rows), generator=torch.Generator().manual_seed(1))
+        plans = [plan_step([Chunk(forced[s, r : r + 1], start=n + s, slots=own[r][: s + 1], prefix=prefix)
+                            for r in range(rows)], block_size=BLOCK, whole_sequences=whole) for s in range(steps)]
+        return lambda: [fwd(p, kv) for p in plans]
+
+    arms = {"cascade": arm(0), "kernel": arm(rows)}
+    a, b = arms["cascade"](), arms["kernel"]()
+    diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
+    times: dict[str, list[float]] = {"cascade": [], "kernel": []}
+    for _ in range(reps):
+        for name, fn in arms.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t) / steps * 1e3)
+    ratios = [k / c for c, k in zip(times["cascade"], times["kernel"], strict=True)]
+    return {"ms_per_step": {k: statistics.median(v) for k, v in times.items()}, "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios), "max_logit_diff": diff, "runs_ms": times}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--layer-rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16])
+    ap.add_argument("--calls", type=int, default=200, help="calls per request count in the layer part")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 3, 4], help="request counts in the forward part")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=6, help="alternating pairs per request count")
+    ap.add_argument("--json", help="write the figures to this path")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if vllm_attention.status() != "on":
+        raise SystemExit(f"vLLM's decode kernel is not available: {vllm_attention.status()}")
+    results: dict[str, object] = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+                                  "torch": torch.__version__, "context": args.context, "layer": {}, "forward": {}}
+    with torch.inference_mode():
+        for r in args.layer_rows:
+            row = layer(r, args.context, args.calls)
+            results["layer"][r] = row  # type: ignore[index]
+            print(f"layer, {r:2} requests: cascade {row['cascade_us']:6.0f} µs   kernel {row['kernel_us']:6.0f} µs   "
+                  f"max |Δ| {row['max_abs_diff']:.3g}", flush=True)
+        fwd = LlamaForward.from_hf(load_model(default_model_dir()).model, dtype=torch.bfloat16)
+        ids = torch.randint(100, 40000, (args.context,), generator=torch.Generator().manual_seed(0))
+        for r in args.rows:
+            res = forward(fwd, ids, r, args.steps, args.reps)
+            results["forward"][r] = res  # type: ignore[index]
+            ms = res["ms_per_step"]
+            print(f"forward, {r:2} requests: cascade {ms['cascade']:5.1f} ms/step   kernel {ms['kernel']:5.1f} ms/step   "  # type: ignore[index]
+                  f"kernel/cascade {res['ratio_median']:.3f} ({res['ratio_min']:.3f}-{res['ratio_max']:.3f}, "
+                  f"{args.reps} pairs)   max |Δ logit| {res['max_logit_diff']:.3g}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
