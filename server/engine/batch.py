@@ -103,29 +103,40 @@ class DecodeGroup:
 
 @dataclass(frozen=True, slots=True)
 class WholeSequences:
-    """A step of single-token requests laid out for a kernel that reads each request's whole
-    sequence (shared prefix, then its own slots) through a table of slots
-    (:mod:`server.engine.vllm_attention`)."""
+    """A step laid out for kernels that read each request's whole sequence (its shared prefix,
+    its history, then its new tokens) through a table of slots (:mod:`server.engine.vllm_attention`).
+
+    Request ``r`` owns rows ``[starts[r], starts[r] + new[r])`` of the step, and its sequence is
+    ``table[r, :lengths[r]]``, the new tokens' slots last.
+    """
 
     table: torch.Tensor  # [R, L] int32: request r's slots in position order, then zeros
     lengths: torch.Tensor  # [R] int64
+    new: torch.Tensor  # [R] int32: its new tokens (the last of its sequence)
+    starts: torch.Tensor  # [R] int32: its first row in the step
     requests: torch.Tensor  # [R] int64: 0..R-1, the row of ``table`` each request reads
-    loc: torch.Tensor  # [R] int64: where new K/V would be written; unused (already written)
+    loc: torch.Tensor  # [R] int64: where a decode kernel would write new K/V; unused (already written)
+    max_new: int
+    decode_only: bool  # every request has one new token
 
     @classmethod
-    def of(cls, slots: list[torch.Tensor]) -> WholeSequences:
-        """From each request's slots in position order.
+    def of(cls, slots: list[torch.Tensor], new: list[int]) -> WholeSequences:
+        """From each request's slots in position order and its count of new tokens (the step's rows
+        follow the requests' order).
 
-        >>> WholeSequences.of([torch.arange(3), torch.tensor([7])]).table.tolist()
-        [[0, 1, 2], [7, 0, 0]]
+        >>> seqs = WholeSequences.of([torch.arange(3), torch.tensor([7])], [2, 1])
+        >>> seqs.table.tolist(), seqs.starts.tolist(), seqs.decode_only
+        ([[0, 1, 2], [7, 0, 0]], [0, 2], False)
         """
         lengths = [int(s.numel()) for s in slots]
         table = torch.zeros(len(slots), max(lengths), dtype=torch.int32)
         for r, s in enumerate(slots):
             table[r, : lengths[r]] = s
         rows = len(slots)
-        return cls(table, torch.tensor(lengths, dtype=torch.long), torch.arange(rows),
-                   torch.zeros(rows, dtype=torch.long))
+        starts = [sum(new[:r]) for r in range(rows)]
+        return cls(table, torch.tensor(lengths, dtype=torch.long), torch.tensor(new, dtype=torch.int32),
+                   torch.tensor(starts, dtype=torch.int32), torch.arange(rows), torch.zeros(rows, dtype=torch.long),
+                   max(new), all(n == 1 for n in new))
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +160,7 @@ class StepPlan:
     row_spans: tuple[tuple[int, int], ...] = field(default=())  # request i -> rows [lo, hi)
     max_position: int = 0  # the step's last position (known on the host, wherever the step runs)
     sequences: WholeSequences | None = None
-    """Set for a step of at most ``whole_sequences`` single-token requests, when asked for."""
+    """Set when asked for (``plan_step``'s ``whole_sequences``), for the steps it names."""
 
     @property
     def num_tokens(self) -> int:
@@ -167,9 +178,10 @@ def plan_step(
 ) -> StepPlan:
     """Lay out one forward step. Logits: each request's last token, or every token.
 
-    Rows follow the order of ``chunks``; request ``i`` owns rows ``plan.row_spans[i]``. A step of
-    at most ``whole_sequences`` requests, one new token each, also gets their whole sequences
-    (:class:`WholeSequences`; on the host).
+    Rows follow the order of ``chunks``; request ``i`` owns rows ``plan.row_spans[i]``. With
+    ``whole_sequences`` N > 0 the plan also lays out every request's whole sequence
+    (:class:`WholeSequences`, on the host) for a step that reads no shared prefix, or whose
+    requests are at most N single-token ones (over more, reading a shared prefix once wins).
     """
     if not chunks:
         raise ValueError("a step needs at least one chunk")
@@ -222,12 +234,12 @@ def plan_step(
 
     logit_rows = None if all_logits else as_rows([hi - 1 for _, hi in spans])
     sequences = None
-    if len(decode_idx) == len(chunks) <= whole_sequences:
+    if whole_sequences > 0 and (not prefix_groups or len(decode_idx) == len(chunks) <= whole_sequences):
         sequences = WholeSequences.of([
             c.slots if c.prefix is None else
             torch.cat([torch.arange(c.prefix.first_block * block_size,
                                     c.prefix.first_block * block_size + c.prefix.num_tokens), c.slots])
-            for c in chunks])
+            for c in chunks], [c.num_new for c in chunks])
     return StepPlan(
         token_ids=torch.cat(ids).to(device),
         positions=torch.cat(positions).to(device),

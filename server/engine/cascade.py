@@ -10,8 +10,9 @@ For every query row the step combines up to three partials, merged by LSE:
 * **chunk suffix** — a multi-token chunk attends its history (a view when its slots are
   contiguous, a gather otherwise) and itself, causally, straight from the fresh K/V.
 
-A step of a few single-token requests whose plan carries their whole sequences goes instead
-through one call of vLLM's decode kernel where it serves (:mod:`server.engine.vllm_attention`).
+A step whose plan carries each request's whole sequence (a step that reads no shared prefix, or
+a few single-token requests) goes instead through one call of vLLM's kernels where they serve
+(:mod:`server.engine.vllm_attention`).
 
 >>> import torch
 >>> from server.engine.batch import Chunk, plan_step
@@ -47,7 +48,7 @@ def cascade_attention(
     ``plan.write_slots`` of ``k_cache``/``v_cache`` [Hkv, slots, D].
     """
     if plan.sequences is not None and vllm_attention.serves(q.dtype, q.device):
-        return vllm_attention.decode(q, k_cache, v_cache, plan.sequences, scale)
+        return vllm_attention.attend(q, k_new, v_new, k_cache, v_cache, plan.sequences, scale)
     t, hkv, g, d = q.shape
     if plan.decode is not None and plan.decode.rows is None and not plan.chunks:
         suffix = _decode_partial(q, k_cache, v_cache, plan.decode, scale)

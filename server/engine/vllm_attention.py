@@ -1,15 +1,24 @@
-"""Decode attention of a few requests through the vllm package's CPU kernel, where it is installed.
+"""Attention through the vllm package's CPU kernels (from SGLang), where it is installed.
 
 The cascade (:mod:`server.engine.cascade`) reads a shared prefix once for every request of a
-step, through torch's flash kernel. That kernel is slow on decode-sized queries: for one request
-over a 2,048-token prefix (bf16, 2 threads, the default model's 3 KV heads of 3 query heads each)
-the prefix partial, the request's own partial and their merge took 176 µs a layer. vLLM's CPU
-build carries a decode kernel (``_C::decode_attention_cpu``, from SGLang) that reads each
-request's whole sequence through a table of slots: 58 µs for that request, 156–182 µs for 3
-(against 205–239), but 779 µs for 16, where reading the prefix once wins (497 µs). So a step of
-single-token requests, at most :data:`MAX_ROWS` of them, attends each request's whole sequence
-(its shared prefix, then its own slots) in one call of that kernel; larger steps keep the
-cascade. The result is the same attention, computed with fp32 accumulators and rounded once.
+step, through torch's flash kernel, and gathers each request's own slots into a padded, masked
+batch. vLLM's CPU build carries two kernels that read each request's whole sequence through a
+table of slots instead, with fp32 accumulators and one rounding of the output:
+
+* ``_C::decode_attention_cpu`` for a step of single-token requests. One request over a
+  2,048-token shared prefix (bf16, 2 threads, the default model's 3 KV heads of 3 query heads)
+  took 58 µs a layer against the cascade's 176 µs; 3 requests 156–182 µs against 205–239; but
+  16 requests 779 µs against 497, where reading the prefix once wins. Over private histories
+  (no shared prefix) it wins at every size: 3 requests of 2,048 tokens each 365 µs against
+  1,169 (the cascade copies every history to gather it).
+* ``_C::extend_attention_cpu`` for a step with chunks of several tokens and no shared prefix:
+  each chunk over its history and, causally, itself. A 2,048-token prompt took 14.0 ms a layer
+  against 16.7; 512 tokens 1.1 against 1.4 ms.
+
+So ``plan_step`` lays out each request's whole sequence (``WholeSequences``) for a step that
+reads no shared prefix, or holds at most :data:`MAX_ROWS` single-token requests; the cascade
+hands such a step to :func:`attend`. Steps that share a prefix among more requests, or mix a
+chunk with a shared prefix, keep the cascade.
 
 It serves bf16 steps on the CPU where the ``vllm`` extra is installed (the library is loaded as
 for :mod:`server.engine.vllm_matmul`); ``AGENTSHARE_VLLM_ATTENTION=off`` turns it off.
@@ -30,9 +39,10 @@ from server.engine import vllm_matmul
 from server.engine.batch import WholeSequences
 
 MAX_ROWS = 3
-"""The most single-token requests a step attends through this kernel. Decode steps over a shared
-2,048-token prefix (the default model, bf16, 2 threads) took 0.79x the cascade's time with 1
-request, 0.94x with 3 and 1.01x with 4 (medians of 6 alternating pairs of 32 steps)."""
+"""The most single-token requests over a shared prefix a step attends through the decode kernel.
+Decode steps over a shared 2,048-token prefix (the default model, bf16, 2 threads) took 0.79x
+the cascade's time with 1 request, 0.94x with 3 and 1.01x with 4 (medians of 6 alternating
+pairs of 32 steps)."""
 
 _SCHEMA = (
     "_C::decode_attention_cpu(Tensor query, Tensor k_buffer, Tensor v_buffer, Tensor(a!) output, "
@@ -42,10 +52,43 @@ _SCHEMA = (
 )
 
 
+_EXTEND_SCHEMA = (
+    "_C::extend_attention_cpu(Tensor q_extend, Tensor? k_extend, Tensor? v_extend, Tensor(a!) o_extend, "
+    "Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+    "Tensor extend_seq_lens, Tensor extend_start_loc, int max_len_extend, float sm_scale, float logit_cap, "
+    "bool is_cross_attn, int sliding_window_size, Tensor? encoder_lens, Tensor? sinks, Tensor? tree_mask=None) -> ()"
+)
+
+
 @functools.cache
 def status() -> str:
-    """``"on"``, or why decode steps keep the cascade."""
-    return vllm_matmul.op_status("decode_attention_cpu", _SCHEMA, "AGENTSHARE_VLLM_ATTENTION")
+    """``"on"``, or why every step keeps the cascade."""
+    decode = vllm_matmul.op_status("decode_attention_cpu", _SCHEMA, "AGENTSHARE_VLLM_ATTENTION")
+    return decode if decode != "on" else vllm_matmul.op_status(
+        "extend_attention_cpu", _EXTEND_SCHEMA, "AGENTSHARE_VLLM_ATTENTION")
+
+
+def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, seqs: WholeSequences, scale: float | None = None) -> torch.Tensor:
+    """Attention output [T, Hkv, G, D] of the step's queries ``q`` [T, Hkv, G, D], each request's
+    rows over its whole sequence: :func:`decode` for a step of single-token requests, else
+    :func:`extend` (``k_new``/``v_new`` [T, Hkv, D]: the step's keys and values)."""
+    if seqs.decode_only:
+        return decode(q, k_cache, v_cache, seqs, scale)
+    return extend(q, k_new, v_new, k_cache, v_cache, seqs, scale)
+
+
+def extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, seqs: WholeSequences, scale: float | None = None) -> torch.Tensor:
+    """Each request's new rows of ``q`` [T, Hkv, G, D] over its earlier slots in the cache and,
+    causally, its new keys ``k_new``/``v_new`` [T, Hkv, D] (bf16): ``_C::extend_attention_cpu``."""
+    t, hkv, g, d = q.shape
+    out = torch.empty(t, hkv * g, d, dtype=q.dtype)
+    torch.ops._C.extend_attention_cpu(
+        q.reshape(t, hkv * g, d), k_new, v_new, out, k_cache.transpose(0, 1), v_cache.transpose(0, 1), seqs.table,
+        seqs.requests, seqs.lengths, seqs.new, seqs.starts, seqs.max_new,
+        1.0 / math.sqrt(d) if scale is None else scale, 0.0, False, -1, None, None, None)
+    return out.view(t, hkv, g, d)
 
 
 def serves(dtype: torch.dtype, device: torch.device | str) -> bool:

@@ -73,6 +73,39 @@ def test_each_request_attends_its_prefix_and_its_own_slots_as_the_cascade_does(r
     assert err <= 2 * cascade_err + 4e-3, (err, cascade_err)
 
 
+@pytest.mark.parametrize("case", ["one prompt", "a chunk after its history", "a chunk beside a decode"])
+def test_each_request_of_a_step_without_a_shared_prefix_attends_its_sequence_causally(case: str) -> None:
+    hkv, g, d = 3, 3, 64
+    torch.manual_seed(len(case))
+    k_cache, v_cache = torch.randn(hkv, 1024, d), torch.randn(hkv, 1024, d)
+    chunks = {
+        "one prompt": [Chunk(list(range(300)), start=0, slots=torch.arange(300))],
+        "a chunk after its history": [Chunk(list(range(64)), start=100, slots=torch.arange(164))],
+        "a chunk beside a decode": [Chunk(list(range(50)), start=0, slots=torch.arange(400, 450)),
+                                    Chunk([1], start=30, slots=torch.arange(600, 631))],
+    }[case]
+    plan = plan_step(chunks, block_size=BLOCK, whole_sequences=vllm_attention.MAX_ROWS)
+    assert plan.sequences is not None and not plan.sequences.decode_only
+    t = plan.num_tokens
+    q = torch.randn(t, hkv, g, d)
+    want = []
+    for c in chunks:  # row i of a chunk sees the sequence up to its own token
+        for i in range(c.num_new):
+            keys = c.slots[: c.slots.numel() - c.num_new + i + 1]
+            k, v = k_cache[:, keys].double(), v_cache[:, keys].double()
+            weights = torch.softmax(q[len(want)].double() @ k.transpose(-1, -2) / math.sqrt(d), dim=-1)
+            want.append((weights @ v).float())
+    bf = {name: x.bfloat16() for name, x in (("q", q), ("k", k_cache), ("v", v_cache))}
+    k_new = bf["k"].index_select(1, plan.write_slots).transpose(0, 1)  # [T, Hkv, D], as the forward hands them
+    v_new = bf["v"].index_select(1, plan.write_slots).transpose(0, 1)
+    got = vllm_attention.attend(bf["q"], k_new, v_new, bf["k"], bf["v"], plan.sequences).float()
+    cascaded = cascade_attention(bf["q"], k_new, v_new, bf["k"], bf["v"], plan_step(chunks, block_size=BLOCK)).float()
+    err = (got - torch.stack(want)).abs().max().item()
+    cascade_err = (cascaded - torch.stack(want)).abs().max().item()
+    assert err <= 2e-2, err
+    assert err <= 2 * cascade_err + 4e-3, (err, cascade_err)
+
+
 def _tiny_bf16_and_fp32() -> tuple[LlamaForward, LlamaForward]:
     cfg = LlamaConfig(vocab_size=512, hidden_size=384, intermediate_size=768, num_hidden_layers=3,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
@@ -127,20 +160,20 @@ def test_the_engine_decodes_a_few_requests_through_the_kernel(base_dir: Path, mo
 
 @pytest.mark.timeout(300)
 def test_the_benchmark_runs_both_ways_and_writes_its_figures(tmp_path: Path) -> None:
-    """benchmarks/decode_attention.py, cut short: both parts, both arms, their comparison."""
+    """benchmarks/engine_attention.py, cut short: both parts, every workload, both arms compared."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "attention.json"
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_attention.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_attention.py"
     proc = subprocess.run([sys.executable, str(script), "--context", "64", "--layer-rows", "1", "3", "--calls", "5",
-                           "--rows", "2", "--steps", "2", "--reps", "1", "--json", str(out)],
+                           "--rows", "2", "--private-rows", "2", "--steps", "2", "--reps", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert set(res["layer"]) == {"1", "3"} and set(res["forward"]) == {"2"}
+    assert set(res["layer"]) == {"1", "3"} and set(res["forward"]) == {"prefill", "shared 2", "private 2"}
     for row in res["layer"].values():
         assert row["cascade_us"] > 0 and row["kernel_us"] > 0 and row["max_abs_diff"] < 0.05
-    fwd = res["forward"]["2"]
-    assert fwd["ms_per_step"]["cascade"] > 0 and fwd["ms_per_step"]["kernel"] > 0 and fwd["max_logit_diff"] < 2
+    for fwd in res["forward"].values():
+        assert fwd["ms_per_step"]["cascade"] > 0 and fwd["ms_per_step"]["kernel"] > 0 and fwd["max_logit_diff"] < 2

@@ -105,12 +105,26 @@ def test_a_step_of_few_single_token_requests_carries_their_whole_sequences_when_
     decodes = [Chunk([5], start=8, slots=torch.tensor([20, 21, 30]), prefix=prefix),
                Chunk([6], start=1, slots=torch.tensor([40, 41]))]
     plan = plan_step(decodes, block_size=block, whole_sequences=2)
-    assert plan.sequences is not None
-    assert plan.sequences.table.dtype == torch.int32 and plan.sequences.lengths.tolist() == [9, 2]
-    assert plan.sequences.table.tolist() == [[8, 9, 10, 11, 12, 13, 20, 21, 30], [40, 41, 0, 0, 0, 0, 0, 0, 0]]
-    assert plan.sequences.requests.tolist() == [0, 1] and plan.sequences.loc.shape == (2,)
-    # not asked, too many requests, or a chunk of several tokens in the step: the cascade's plan only
+    seqs = plan.sequences
+    assert seqs is not None and seqs.decode_only and seqs.max_new == 1
+    assert seqs.table.dtype == torch.int32 and seqs.lengths.tolist() == [9, 2]
+    assert seqs.table.tolist() == [[8, 9, 10, 11, 12, 13, 20, 21, 30], [40, 41, 0, 0, 0, 0, 0, 0, 0]]
+    assert seqs.requests.tolist() == [0, 1] and seqs.loc.shape == (2,) and seqs.starts.tolist() == [0, 1]
+    # not asked, or more single-token requests than asked for over a shared prefix: the cascade's plan only
     assert plan_step(decodes, block_size=block).sequences is None
     assert plan_step(decodes, block_size=block, whole_sequences=1).sequences is None
+    # a chunk of several tokens beside a shared prefix: the cascade reads the prefix once
     mixed = [*decodes, Chunk([1, 2], start=0, slots=torch.tensor([50, 51]))]
     assert plan_step(mixed, block_size=block, whole_sequences=8).sequences is None
+
+
+def test_a_step_that_reads_no_shared_prefix_carries_every_request_whole_when_asked() -> None:
+    chunks = [Chunk([1, 2, 3], start=2, slots=torch.tensor([4, 5, 6, 7, 9])),  # history 4, 5; new 6, 7, 9
+              Chunk([4], start=0, slots=torch.tensor([12])),
+              Chunk([5, 6], start=0, slots=torch.tensor([16, 17]))]
+    seqs = plan_step(chunks, block_size=4, whole_sequences=1).sequences
+    assert seqs is not None and not seqs.decode_only and seqs.max_new == 3
+    assert seqs.lengths.tolist() == [5, 1, 2] and seqs.new.tolist() == [3, 1, 2] and seqs.starts.tolist() == [0, 3, 4]
+    assert seqs.new.dtype == seqs.starts.dtype == seqs.table.dtype == torch.int32
+    assert seqs.table.tolist() == [[4, 5, 6, 7, 9], [12, 0, 0, 0, 0], [16, 17, 0, 0, 0]]
+    assert plan_step(chunks, block_size=4).sequences is None

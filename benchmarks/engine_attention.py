@@ -1,19 +1,19 @@
-"""Decode attention on the cascade (torch's flash kernel) or on vLLM's CPU decode kernel
-(``server/engine/vllm_attention.py``), side by side in one process.
+"""The engine's attention on the cascade (torch's flash kernel) or on vLLM's CPU kernels
+(``server/engine/vllm_attention.py``), side by side in one process, bf16.
 
-Two parts, both over a shared prefix of ``--context`` tokens, bf16:
-
-* **one layer's attention** (the default model's heads: 3 KV heads of 3 query heads, D = 64): the
-  cascade's prefix partial, the requests' own partial and their merge, against one call of the
-  kernel over each request's whole sequence; medians of ``--calls`` calls per request count;
-* **the engine's forward**, the default model: ``--steps`` decode steps of R requests with and
-  without their whole sequences in the plan, alternating, ``--reps`` pairs per R; the logits of
-  both arms are compared.
+* **one layer's decode attention** over a shared prefix of ``--context`` tokens (the default
+  model's heads: 3 KV heads of 3 query heads, D = 64): the cascade's prefix partial, the
+  requests' own partial and their merge, against one call of the decode kernel over each
+  request's whole sequence; medians of ``--calls`` calls per request count;
+* **the engine's forward**, the default model, alternating, ``--reps`` pairs per workload, the
+  logits of both arms compared: ``--steps`` decode steps of R requests over the shared prefix
+  (``shared R``); the same over private histories of ``--context`` tokens each (``private R``:
+  every request its own tenant); a prefill of ``--context`` tokens (``prefill``: the extend kernel).
 
 Needs the vllm extra (run it with ``.venv-vllm/bin/python``); not a test: the figures depend on
 the machine.
 
-    .venv-vllm/bin/python benchmarks/decode_attention.py --threads 2 --json results/decode_attention.json
+    .venv-vllm/bin/python benchmarks/engine_attention.py --threads 2 --json results/engine_attention.json
 """
 
 from __future__ import annotations
@@ -77,23 +77,38 @@ def layer(rows: int, context: int, calls: int) -> dict[str, float]:
     return {"cascade_us": _median_us(cascade, calls), "kernel_us": _median_us(kernel, calls), "max_abs_diff": diff}
 
 
-def forward(fwd: LlamaForward, ids: torch.Tensor, rows: int, steps: int, reps: int) -> dict[str, object]:
-    """``steps`` decode steps of ``rows`` requests over the prefix ``ids``, both ways, alternating."""
+def forward(fwd: LlamaForward, ids: torch.Tensor, workload: str, rows: int, steps: int,
+            reps: int) -> dict[str, object]:
+    """One workload (``shared``, ``private`` or ``prefill``), both ways, alternating."""
     n = ids.numel()
     prefix_blocks, own_blocks = n // BLOCK + 1, -(-steps // BLOCK)
+    per_request = prefix_blocks + own_blocks  # a private history, then its decode steps
 
     def arm(whole: int) -> Callable[[], list[torch.Tensor]]:
-        kv = KVStorage(fwd.kv_spec(), num_blocks=prefix_blocks + rows * own_blocks, block_size=BLOCK)
-        fwd(plan_step([Chunk(ids, start=0, slots=torch.arange(n))], block_size=BLOCK), kv)
-        prefix = SharedPrefix(0, n)
-        own = [kv.slots(list(range(prefix_blocks + r * own_blocks, prefix_blocks + (r + 1) * own_blocks)))
-               for r in range(rows)]
+        kv = KVStorage(fwd.kv_spec(), num_blocks=rows * per_request + prefix_blocks + rows * own_blocks,
+                       block_size=BLOCK)
+        whole_prompt = [Chunk(ids, start=0, slots=torch.arange(n))]
+        if workload == "prefill":
+            plan = plan_step(whole_prompt, block_size=BLOCK, whole_sequences=whole)
+            return lambda: [fwd(plan, kv)]
         forced = torch.randint(100, 40000, (steps, rows), generator=torch.Generator().manual_seed(1))
-        plans = [plan_step([Chunk(forced[s, r : r + 1], start=n + s, slots=own[r][: s + 1], prefix=prefix)
-                            for r in range(rows)], block_size=BLOCK, whole_sequences=whole) for s in range(steps)]
+        if workload == "shared":
+            fwd(plan_step(whole_prompt, block_size=BLOCK), kv)
+            prefix = SharedPrefix(0, n)
+            own = [kv.slots(list(range(prefix_blocks + r * own_blocks, prefix_blocks + (r + 1) * own_blocks)))
+                   for r in range(rows)]
+            plans = [plan_step([Chunk(forced[s, r : r + 1], start=n + s, slots=own[r][: s + 1], prefix=prefix)
+                                for r in range(rows)], block_size=BLOCK, whole_sequences=whole) for s in range(steps)]
+        else:  # each request its own copy of the context, then its own decode steps
+            seqs = [kv.slots(list(range(r * per_request, (r + 1) * per_request))) for r in range(rows)]
+            for r in range(rows):
+                fwd(plan_step([Chunk(ids, start=0, slots=seqs[r][:n])], block_size=BLOCK), kv)
+            plans = [plan_step([Chunk(forced[s, r : r + 1], start=n + s, slots=seqs[r][: n + s + 1])
+                                for r in range(rows)], block_size=BLOCK, whole_sequences=whole) for s in range(steps)]
         return lambda: [fwd(p, kv) for p in plans]
 
-    arms = {"cascade": arm(0), "kernel": arm(rows)}
+    arms = {"cascade": arm(0), "kernel": arm(vllm_attention.MAX_ROWS)}
+    per = 1 if workload == "prefill" else steps
     a, b = arms["cascade"](), arms["kernel"]()
     diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
     times: dict[str, list[float]] = {"cascade": [], "kernel": []}
@@ -101,7 +116,7 @@ def forward(fwd: LlamaForward, ids: torch.Tensor, rows: int, steps: int, reps: i
         for name, fn in arms.items():
             t = time.perf_counter()
             fn()
-            times[name].append((time.perf_counter() - t) / steps * 1e3)
+            times[name].append((time.perf_counter() - t) / per * 1e3)
     ratios = [k / c for c, k in zip(times["cascade"], times["kernel"], strict=True)]
     return {"ms_per_step": {k: statistics.median(v) for k, v in times.items()}, "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios), "ratio_max": max(ratios), "max_logit_diff": diff, "runs_ms": times}
@@ -113,7 +128,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--layer-rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16])
     ap.add_argument("--calls", type=int, default=200, help="calls per request count in the layer part")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 3, 4], help="request counts in the forward part")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 3, 4], help="request counts of the shared decode steps")
+    ap.add_argument("--private-rows", type=int, nargs="+", default=[3], help="request counts of the private ones")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=6, help="alternating pairs per request count")
     ap.add_argument("--json", help="write the figures to this path")
@@ -123,6 +139,7 @@ def main() -> None:
         raise SystemExit(f"vLLM's decode kernel is not available: {vllm_attention.status()}")
     results: dict[str, object] = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
                                   "torch": torch.__version__, "context": args.context, "layer": {}, "forward": {}}
+    # forward workloads: prefill (one step), shared R and private R (ms per decode step)
     with torch.inference_mode():
         for r in args.layer_rows:
             row = layer(r, args.context, args.calls)
@@ -131,11 +148,13 @@ def main() -> None:
                   f"max |Δ| {row['max_abs_diff']:.3g}", flush=True)
         fwd = LlamaForward.from_hf(load_model(default_model_dir()).model, dtype=torch.bfloat16)
         ids = torch.randint(100, 40000, (args.context,), generator=torch.Generator().manual_seed(0))
-        for r in args.rows:
-            res = forward(fwd, ids, r, args.steps, args.reps)
-            results["forward"][r] = res  # type: ignore[index]
+        work = [("prefill", 1), *(("shared", r) for r in args.rows), *(("private", r) for r in args.private_rows)]
+        for workload, r in work:
+            name = workload if workload == "prefill" else f"{workload} {r}"
+            res = forward(fwd, ids, workload, r, args.steps, args.reps)
+            results["forward"][name] = res  # type: ignore[index]
             ms = res["ms_per_step"]
-            print(f"forward, {r:2} requests: cascade {ms['cascade']:5.1f} ms/step   kernel {ms['kernel']:5.1f} ms/step   "  # type: ignore[index]
+            print(f"forward, {name:10}: cascade {ms['cascade']:5.1f} ms/step   kernel {ms['kernel']:5.1f} ms/step   "  # type: ignore[index]
                   f"kernel/cascade {res['ratio_median']:.3f} ({res['ratio_min']:.3f}-{res['ratio_max']:.3f}, "
                   f"{args.reps} pairs)   max |Δ logit| {res['max_logit_diff']:.3g}", flush=True)
     if args.json:
