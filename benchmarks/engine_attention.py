@@ -7,8 +7,9 @@
   request's whole sequence; medians of ``--calls`` calls per request count;
 * **the engine's forward**, the default model, alternating, ``--reps`` pairs per workload, the
   logits of both arms compared: ``--steps`` decode steps of R requests over the shared prefix
-  (``shared R``); the same over private histories of ``--context`` tokens each (``private R``:
-  every request its own tenant); a prefill of ``--context`` tokens (``prefill``: the extend kernel).
+  (``shared R``); the same over histories of ``--context`` tokens each with no prefix at all
+  (``private R``: as a raw prompt without a context decodes); a prefill of ``--context`` tokens
+  (``prefill``: the extend kernel).
 
 Needs the vllm extra (run it with ``.venv-vllm/bin/python``); not a test: the figures depend on
 the machine.
