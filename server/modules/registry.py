@@ -82,7 +82,10 @@ def identify(
     if manifest is not None and kind is ModuleKind.LORA and base_families is not None:
         _check_base(name, manifest, family, base_families)
     shards = sorted(d.glob("adapter_model.safetensors" if kind is ModuleKind.LORA else "*.safetensors"))
-    digest = _module_digest(d, manifest, shards)
+    try:
+        digest = _module_digest(d, manifest, shards)
+    except (ValueError, KeyError, OSError) as exc:  # a truncated or foreign weights file
+        raise ModuleLoadError(f"module {name!r}: its weights cannot be read ({exc}); re-export the module") from exc
     if manifest is None:
         shares, reason = False, f"no {MANIFEST_FILE}: private prefill"
     elif manifest.family != family:

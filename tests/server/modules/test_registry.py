@@ -8,7 +8,7 @@ import torch
 from server.engine.modules import load_module
 from server.engine.weights import ModelShape
 from server.kv.family import base_families, family_digest
-from server.modules.manifest import Manifest, ModuleKind
+from server.modules.manifest import LoraSpec, Manifest, ModuleKind
 from server.modules.registry import ModuleLoadError
 from server.prompt import Placement
 
@@ -132,3 +132,74 @@ def test_a_full_module_with_another_kv_shape_is_refused(make_tiny_model, tiny_fa
     Manifest(name="w", kind=ModuleKind.FULL, family=tiny_family).write(other)
     with pytest.raises(ModuleLoadError, match="KV shape"):
         load(other, tiny_family)
+
+
+def _fixed_file(path, data: bytes) -> None:
+    """``data`` as the file; a ``.safetensors`` file holds it as one uint8 tensor ``w``."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, str(path))
+    else:
+        path.write_bytes(data)
+
+
+def test_a_weights_file_that_is_not_safetensors_is_refused_clearly(tmp_path, tiny_family):
+    from server.modules.registry import identify
+
+    d = tmp_path / "truncated"
+    d.mkdir()
+    (d / "adapter_model.safetensors").write_bytes(b"abc")
+    with pytest.raises(ModuleLoadError, match=r"module 'm': its weights cannot be read .*too short.*re-export"):
+        identify(d, name="m", family=tiny_family)
+
+
+def test_without_a_manifest_the_files_say_the_kind(tmp_path, tiny_family):
+    from server.modules.registry import identify
+
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    _fixed_file(lora / "adapter_model.safetensors", b"x")
+    assert identify(lora, name="m", family=tiny_family).kind == "lora"
+    full = tmp_path / "full"
+    full.mkdir()
+    _fixed_file(full / "config.json", b"{}")
+    _fixed_file(full / "model-00001.safetensors", b"x")
+    assert identify(full, name="m", family=tiny_family).kind == "full"
+    for files in ({"config.json": b"{}"}, {"model.safetensors": b"x"}, {"adapter_config.json": b"{}"}):
+        d = tmp_path / "-".join(files)
+        d.mkdir()
+        for f, data in files.items():
+            _fixed_file(d / f, data)
+        with pytest.raises(ModuleLoadError, match="neither a peft adapter"):
+            identify(d, name="m", family=tiny_family)
+
+
+def test_the_module_digest_covers_its_manifest_configs_and_weights_and_keeps_its_format(tmp_path, tiny_family):
+    """The digest names the module's KV namespace: every part of the module moves it, and its
+    format is pinned (a change would orphan every stored module's blocks)."""
+    from server.modules.registry import identify
+
+    def module(name: str, files: dict[str, bytes], manifest: Manifest | None = None) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        for f, data in files.items():
+            _fixed_file(d / f, data)
+        if manifest is not None:
+            manifest.write(d)
+        return identify(d, name="m", family=tiny_family).digest
+
+    lora = {"adapter_model.safetensors": b"weights", "adapter_config.json": b'{"r": 4}'}
+    plain = module("plain", lora)
+    # sha256 of b"agentshare/module/v1\n", b"no-manifest", the adapter config, the weights' digest
+    assert plain == "471e2648293cd684f887337cec676564da27edeba74f2a65e6f3016ee4a6ab8e"
+    assert module("same", lora) == plain
+    assert module("other-config", lora | {"adapter_config.json": b'{"r": 8}'}) != plain
+    assert module("other-weights", lora | {"adapter_model.safetensors": b"weightz"}) != plain
+    spec = LoraSpec(4, 8.0, ("q_proj",))
+    with_manifest = module("manifest", lora, Manifest(name="a", kind=ModuleKind.LORA, family=tiny_family, lora=spec))
+    assert with_manifest != plain
+    other = Manifest(name="b", kind=ModuleKind.LORA, family=tiny_family, lora=spec)
+    assert module("manifest-b", lora, other) != with_manifest
+    full = {"config.json": b'{"hidden_size": 8}', "model.safetensors": b"weights"}
+    assert module("full", full) != module("full-other-config", full | {"config.json": b'{"hidden_size": 16}'})
