@@ -99,6 +99,14 @@ class DecodeGroup:
     rows: torch.Tensor | None  # None: every row of the step, in order
     gather: torch.Tensor  # [R, Lmax] slots (padding repeats a valid slot)
     mask: torch.Tensor  # [R, 1, 1, Lmax] additive: 0 where attended, -inf on padding
+    spans: tuple[slice, ...] | None = None
+    """Each request's slots as one contiguous range, on the CPU, where all are and the longest
+    reaches :data:`VIEW_MIN_SLOTS`: read as views, one request at a time, instead of gathered (a
+    gather copies every history, every layer, every step)."""
+
+
+VIEW_MIN_SLOTS = 256
+"""The longest own history of a step's decodes from which they are read as views, not gathered."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,8 +230,12 @@ def plan_step(
             gather[j, :n] = chunks[i].slots
             gather[j, n:] = chunks[i].slots[-1]
             mask[j, ..., :n] = 0.0
+        runs = [_history(chunks[i].slots) for i in decode_idx]
+        views = tuple(r for r in runs if isinstance(r, slice))
         decode = DecodeGroup(
-            as_rows([spans[i][0] for i in decode_idx]), gather.to(device), mask.to(device)
+            as_rows([spans[i][0] for i in decode_idx]), gather.to(device), mask.to(device),
+            views if len(views) == len(runs) and width >= VIEW_MIN_SLOTS and torch.device(device).type == "cpu"
+            else None,  # a device gathers cheaply, and one kernel for all beats one per request
         )
 
     parts = []

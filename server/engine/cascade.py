@@ -6,7 +6,8 @@ For every query row the step combines up to three partials, merged by LSE:
   KV head, folded into one query axis) against ONE strided view of the prefix's blocks: the
   shared K/V are read once per step for the whole batch, never copied or concatenated;
 * **decode suffix** — single-token requests, batched: a padded gather of each request's own
-  slots (its history and the token just written) with a padding mask;
+  slots (its history and the token just written) with a padding mask; or, where every such
+  history is one contiguous range and one is long, a view of each, one request at a time;
 * **chunk suffix** — a multi-token chunk attends its history (a view when its slots are
   contiguous, a gather otherwise) and itself, causally, straight from the fresh K/V.
 
@@ -110,6 +111,10 @@ def _decode_partial(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float | None
 ) -> Partial:
     qd = q if group.rows is None else q[group.rows]  # [R, Hkv, G, D]: batch R, heads Hkv, len G
+    if group.spans is not None:  # long contiguous histories: one view each, nothing copied
+        parts = [partial_attention(qd[i : i + 1], k_cache[:, span].unsqueeze(0), v_cache[:, span].unsqueeze(0),
+                                   scale=scale) for i, span in enumerate(group.spans)]
+        return Partial(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))
     r, width = group.gather.shape
     hkv, _, d = k_cache.shape
     flat = group.gather.reshape(-1)

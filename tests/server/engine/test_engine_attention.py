@@ -128,3 +128,26 @@ def test_a_step_that_reads_no_shared_prefix_carries_every_request_whole_when_ask
     assert seqs.new.dtype == seqs.starts.dtype == seqs.table.dtype == torch.int32
     assert seqs.table.tolist() == [[4, 5, 6, 7, 9], [12, 0, 0, 0, 0], [16, 17, 0, 0, 0]]
     assert plan_step(chunks, block_size=4).sequences is None
+
+
+def test_long_contiguous_histories_of_decodes_are_read_as_views_with_the_same_attention() -> None:
+    from server.engine.batch import VIEW_MIN_SLOTS
+
+    torch.manual_seed(0)
+    hkv, g, d = 2, 3, 16
+    k_cache, v_cache = torch.randn(hkv, 2048, d), torch.randn(hkv, 2048, d)
+    long = VIEW_MIN_SLOTS + 40
+    chunks = [Chunk([1], start=long - 1, slots=torch.arange(100, 100 + long)),
+              Chunk([2], start=9, slots=torch.arange(1000, 1010))]
+    plan = plan_step(chunks, block_size=16)
+    assert plan.decode is not None and plan.decode.spans == (slice(100, 100 + long), slice(1000, 1010))
+    q = torch.randn(2, hkv, g, d)
+    got = cascade_attention(q, torch.empty(0), torch.empty(0), k_cache, v_cache, plan)
+    for r, c in enumerate(chunks):  # each request over its own slots, as plain attention
+        k, v = k_cache[:, c.slots].unsqueeze(0), v_cache[:, c.slots].unsqueeze(0)
+        torch.testing.assert_close(got[r], _plain(q[r].unsqueeze(0), k, v)[0], atol=1e-5, rtol=1e-5)
+    # short histories, or one that is not contiguous: the padded gather
+    assert plan_step(chunks[1:], block_size=16).decode.spans is None  # type: ignore[union-attr]
+    gapped = [chunks[0], Chunk([2], start=2, slots=torch.tensor([1000, 1001, 1005]))]
+    assert plan_step(gapped, block_size=16).decode.spans is None  # type: ignore[union-attr]
+    assert plan_step(chunks, block_size=16, device="meta").decode.spans is None  # type: ignore[union-attr]
