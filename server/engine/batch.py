@@ -230,12 +230,13 @@ def plan_step(
             gather[j, :n] = chunks[i].slots
             gather[j, n:] = chunks[i].slots[-1]
             mask[j, ..., :n] = 0.0
-        runs = [_history(chunks[i].slots) for i in decode_idx]
-        views = tuple(r for r in runs if isinstance(r, slice))
+        views = None  # a device gathers cheaply, and one kernel for all beats one per request
+        if width >= VIEW_MIN_SLOTS and torch.device(device).type == "cpu":
+            runs = [_history(chunks[i].slots) for i in decode_idx]
+            if all(isinstance(r, slice) for r in runs):
+                views = tuple(r for r in runs if isinstance(r, slice))
         decode = DecodeGroup(
-            as_rows([spans[i][0] for i in decode_idx]), gather.to(device), mask.to(device),
-            views if len(views) == len(runs) and width >= VIEW_MIN_SLOTS and torch.device(device).type == "cpu"
-            else None,  # a device gathers cheaply, and one kernel for all beats one per request
+            as_rows([spans[i][0] for i in decode_idx]), gather.to(device), mask.to(device), views
         )
 
     parts = []
