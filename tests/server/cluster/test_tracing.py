@@ -69,8 +69,11 @@ def test_one_offloaded_request_is_one_trace_across_three_processes(traced: tuple
                  and s["attributes"].get("agentshare.request_id") == rid]
         spans = spans_of(path, roots[0]["trace_id"]) if roots else []
         names = {(s["service"], s["name"]) for s in spans}
-        if {("agentshare-decode", "kv.receive"), ("agentshare-decode", "decode"),
-                ("agentshare-prefill", "POST /internal/prefill")} <= names or time.monotonic() > deadline:
+        ids = {s["span_id"] for s in spans}
+        # a parent span ends, and is written, after its children: wait for the whole tree too
+        whole = all(s["parent_id"] in ids for s in spans if s["parent_id"] is not None)
+        if ({("agentshare-decode", "kv.receive"), ("agentshare-decode", "decode"),
+                ("agentshare-prefill", "POST /internal/prefill")} <= names and whole) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert len(roots) == 1, spans_of(path)
