@@ -112,9 +112,10 @@ def _decode_partial(
 ) -> Partial:
     qd = q if group.rows is None else q[group.rows]  # [R, Hkv, G, D]: batch R, heads Hkv, len G
     if group.spans is not None:  # long contiguous histories: one view each, nothing copied
-        parts = [partial_attention(qd[i : i + 1], k_cache[:, span].unsqueeze(0), v_cache[:, span].unsqueeze(0),
+        # KV heads as the batch axis, one head each, as the prefix partial reads a prefix
+        parts = [partial_attention(qd[i].unsqueeze(1), k_cache[:, span].unsqueeze(1), v_cache[:, span].unsqueeze(1),
                                    scale=scale) for i, span in enumerate(group.spans)]
-        return Partial(torch.cat([p.out for p in parts]), torch.cat([p.lse for p in parts]))
+        return Partial(torch.stack([p.out.squeeze(1) for p in parts]), torch.stack([p.lse.squeeze(1) for p in parts]))
     r, width = group.gather.shape
     hkv, _, d = k_cache.shape
     flat = group.gather.reshape(-1)
