@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from unittest import mock
 
 import torch
 
+from benchmarks.pairs import side_by_side
 from server.engine import batch
 from server.engine.batch import Chunk, plan_step
 from server.engine.forward import LlamaForward
@@ -66,21 +65,11 @@ def main() -> None:
         for r in args.rows:
             arms = {"gathered": workload(fwd, r, args.context, args.steps, False),
                     "views": workload(fwd, r, args.context, args.steps, True)}
-            a, b = arms["gathered"](), arms["views"]()
-            diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
-            times: dict[str, list[float]] = {k: [] for k in arms}
-            for _ in range(args.reps):
-                for name, fn in arms.items():
-                    t = time.perf_counter()
-                    fn()
-                    times[name].append((time.perf_counter() - t) / args.steps * 1e3)
-            ratios = [v / g for g, v in zip(times["gathered"], times["views"], strict=True)]
-            ms = {k: statistics.median(v) for k, v in times.items()}
-            row = {"ms_per_step": ms, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-                   "ratio_max": max(ratios), "max_logit_diff": diff, "runs_ms": times}
+            row = side_by_side(arms, args.reps, args.steps)
+            ms, diff = row["ms_per_step"], row["max_logit_diff"]
             results["runs"][r] = row  # type: ignore[index]
-            print(f"{r:2} requests over {args.context} tokens each: gathered {ms['gathered']:6.1f} "
-                  f"ms/step   views {ms['views']:6.1f} ms/step   views/gathered "
+            print(f"{r:2} requests over {args.context} tokens each: gathered {ms['gathered']:6.1f} "  # type: ignore[index]
+                  f"ms/step   views {ms['views']:6.1f} ms/step   views/gathered "  # type: ignore[index]
                   f"{row['ratio_median']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}, {args.reps} pairs)   "
                   f"max |Δ logit| {diff:.3g}", flush=True)
     if args.json:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.pairs import side_by_side
 from server.engine import vllm_attention
 from server.engine.attention import merge_partials
 from server.engine.batch import Chunk, SharedPrefix, plan_step
@@ -109,18 +110,7 @@ def forward(fwd: LlamaForward, ids: torch.Tensor, workload: str, rows: int, step
         return lambda: [fwd(p, kv) for p in plans]
 
     arms = {"cascade": arm(0), "kernel": arm(vllm_attention.MAX_ROWS)}
-    per = 1 if workload == "prefill" else steps
-    a, b = arms["cascade"](), arms["kernel"]()
-    diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
-    times: dict[str, list[float]] = {"cascade": [], "kernel": []}
-    for _ in range(reps):
-        for name, fn in arms.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t) / per * 1e3)
-    ratios = [k / c for c, k in zip(times["cascade"], times["kernel"], strict=True)]
-    return {"ms_per_step": {k: statistics.median(v) for k, v in times.items()}, "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios), "ratio_max": max(ratios), "max_logit_diff": diff, "runs_ms": times}
+    return side_by_side(arms, reps, 1 if workload == "prefill" else steps)
 
 
 def main() -> None:

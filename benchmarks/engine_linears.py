@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from unittest import mock
 
 import torch
 
+from benchmarks.pairs import side_by_side
 from server.engine import vllm_matmul
 from server.engine.batch import Chunk, SharedPrefix, plan_step
 from server.engine.forward import LlamaForward
@@ -81,22 +80,12 @@ def main() -> None:
                                   "torch": torch.__version__, "context": args.context, "runs": {}}
     with torch.inference_mode():
         for name, (per, arms) in work.items():
-            a, b = arms["inner"](), arms["matmul"]()  # warm-up, and the logits compared
-            diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
-            same = all(torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(a, b, strict=True))
-            times: dict[str, list[float]] = {"inner": [], "matmul": []}
-            for _ in range(args.reps):
-                for arm, fn in arms.items():
-                    t = time.perf_counter()
-                    fn()
-                    times[arm].append((time.perf_counter() - t) / per * 1e3)
-            ratios = [m / i for i, m in zip(times["inner"], times["matmul"], strict=True)]
-            row = {"ms_per_step": {k: statistics.median(v) for k, v in times.items()},
-                   "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                   "max_logit_diff": diff, "same_argmax": same, "runs_ms": times}
+            row = side_by_side(arms, args.reps, per)
+            diff, same = row["max_logit_diff"], row["same_argmax"]
             results["runs"][name] = row  # type: ignore[index]
-            print(f"{name:16} inner product {row['ms_per_step']['inner']:7.1f} ms   matmul "
-                  f"{row['ms_per_step']['matmul']:7.1f} ms   matmul/inner {row['ratio_median']:.3f} "
+            ms = row["ms_per_step"]
+            print(f"{name:16} inner product {ms['inner']:7.1f} ms   matmul "  # type: ignore[index]
+                  f"{ms['matmul']:7.1f} ms   matmul/inner {row['ratio_median']:.3f} "  # type: ignore[index]
                   f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}, {args.reps} pairs)   "
                   f"max |Δ logit| {diff:.3g}, same argmax: {same}", flush=True)
     if args.json:
