@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -125,14 +126,17 @@ class WholeSequences:
     requests: torch.Tensor  # [R] int64: 0..R-1, the row of ``table`` each request reads
     loc: torch.Tensor  # [R] int64: where a decode kernel would write new K/V; unused (already written)
     max_new: int
-    decode_only: bool  # every request has one new token
+
+    @property
+    def decode_only(self) -> bool:
+        """Every request has one new token."""
+        return self.max_new == 1
 
     @classmethod
-    def of(cls, slots: list[torch.Tensor], new: list[int]) -> WholeSequences:
-        """From each request's slots in position order and its count of new tokens (the step's rows
-        follow the requests' order).
+    def of(cls, slots: list[torch.Tensor], spans: Sequence[tuple[int, int]]) -> WholeSequences:
+        """From each request's slots in position order and its rows ``[lo, hi)`` of the step.
 
-        >>> seqs = WholeSequences.of([torch.arange(3), torch.tensor([7])], [2, 1])
+        >>> seqs = WholeSequences.of([torch.arange(3), torch.tensor([7])], [(0, 2), (2, 3)])
         >>> seqs.table.tolist(), seqs.starts.tolist(), seqs.decode_only
         ([[0, 1, 2], [7, 0, 0]], [0, 2], False)
         """
@@ -140,11 +144,10 @@ class WholeSequences:
         table = torch.zeros(len(slots), max(lengths), dtype=torch.int32)
         for r, s in enumerate(slots):
             table[r, : lengths[r]] = s
-        rows = len(slots)
-        starts = [sum(new[:r]) for r in range(rows)]
+        rows, new = len(slots), [hi - lo for lo, hi in spans]
         return cls(table, torch.tensor(lengths, dtype=torch.long), torch.tensor(new, dtype=torch.int32),
-                   torch.tensor(starts, dtype=torch.int32), torch.arange(rows), torch.zeros(rows, dtype=torch.long),
-                   max(new), all(n == 1 for n in new))
+                   torch.tensor([lo for lo, _ in spans], dtype=torch.int32), torch.arange(rows),
+                   torch.zeros(rows, dtype=torch.long), max(new))
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +192,9 @@ def plan_step(
     Rows follow the order of ``chunks``; request ``i`` owns rows ``plan.row_spans[i]``. With
     ``whole_sequences`` N > 0 the plan also lays out every request's whole sequence
     (:class:`WholeSequences`, on the host) for a step that reads no shared prefix, or whose
-    requests are at most N single-token ones (over more, reading a shared prefix once wins).
+    requests are at most N single-token ones (over more, reading a shared prefix once wins). The
+    cascade then hands the step to vLLM's kernels: ask only where they serve
+    (:func:`server.engine.vllm_attention.serves`), as the runner does.
     """
     if not chunks:
         raise ValueError("a step needs at least one chunk")
@@ -232,9 +237,9 @@ def plan_step(
             mask[j, ..., :n] = 0.0
         views = None  # a device gathers cheaply, and one kernel for all beats one per request
         if width >= VIEW_MIN_SLOTS and torch.device(device).type == "cpu":
-            runs = [_history(chunks[i].slots) for i in decode_idx]
+            runs = tuple(_history(chunks[i].slots) for i in decode_idx)
             if all(isinstance(r, slice) for r in runs):
-                views = tuple(r for r in runs if isinstance(r, slice))
+                views = cast(tuple[slice, ...], runs)
         decode = DecodeGroup(
             as_rows([spans[i][0] for i in decode_idx]), gather.to(device), mask.to(device), views
         )
@@ -252,7 +257,7 @@ def plan_step(
             c.slots if c.prefix is None else
             torch.cat([torch.arange(c.prefix.first_block * block_size,
                                     c.prefix.first_block * block_size + c.prefix.num_tokens), c.slots])
-            for c in chunks], [c.num_new for c in chunks])
+            for c in chunks], spans)
     return StepPlan(
         token_ids=torch.cat(ids).to(device),
         positions=torch.cat(positions).to(device),

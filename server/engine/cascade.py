@@ -48,7 +48,7 @@ def cascade_attention(
     ``k_new``/``v_new`` [T, Hkv, D] are this step's keys/values, already written to
     ``plan.write_slots`` of ``k_cache``/``v_cache`` [Hkv, slots, D].
     """
-    if plan.sequences is not None and vllm_attention.serves(q.dtype, q.device):
+    if plan.sequences is not None:  # laid out only where vLLM's kernels serve (the runner asks)
         return vllm_attention.attend(q, k_new, v_new, k_cache, v_cache, plan.sequences, scale)
     t, hkv, g, d = q.shape
     if plan.decode is not None and plan.decode.rows is None and not plan.chunks:
