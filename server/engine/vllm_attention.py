@@ -20,8 +20,8 @@ reads no shared prefix, or holds at most :data:`MAX_ROWS` single-token requests;
 hands such a step to :func:`attend`. Steps that share a prefix among more requests, or mix a
 chunk with a shared prefix, keep the cascade.
 
-It serves bf16 steps on the CPU where the ``vllm`` extra is installed (the library is loaded as
-for :mod:`server.engine.vllm_matmul`); ``AGENTSHARE_VLLM_ATTENTION=off`` turns it off.
+It serves bf16 steps on the CPU where the ``vllm`` extra is installed (the library is loaded
+by :mod:`server.engine.vllm_ops`); ``AGENTSHARE_VLLM_ATTENTION=off`` turns it off.
 :func:`status` says which case holds, for the server's start-up log.
 
 >>> status() == "on" or status().startswith("off")
@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from server.engine import vllm_matmul
+from server.engine import vllm_ops
 from server.engine.batch import WholeSequences
 
 MAX_ROWS = 3
@@ -63,8 +63,8 @@ _EXTEND_SCHEMA = (
 @functools.cache
 def status() -> str:
     """``"on"``, or why every step keeps the cascade."""
-    decode = vllm_matmul.op_status("decode_attention_cpu", _SCHEMA, "AGENTSHARE_VLLM_ATTENTION")
-    return decode if decode != "on" else vllm_matmul.op_status(
+    decode = vllm_ops.op_status("decode_attention_cpu", _SCHEMA, "AGENTSHARE_VLLM_ATTENTION")
+    return decode if decode != "on" else vllm_ops.op_status(
         "extend_attention_cpu", _EXTEND_SCHEMA, "AGENTSHARE_VLLM_ATTENTION")
 
 
