@@ -16,7 +16,7 @@ from typing import cast
 
 import torch
 
-from server.engine import vllm_attention, vllm_matmul
+from server.engine import vllm_attention, vllm_elementwise, vllm_matmul
 from server.engine.async_engine import AsyncEngine
 from server.engine.core import EngineConfig, EngineCore
 from server.engine.cuda import device_name
@@ -112,6 +112,8 @@ def start_engine(
                                   "vllm_matmul": vllm_matmul.status(),
                                   "decode_attention": "vllm" if core.runner.whole_sequences else "cascade",
                                   "vllm_attention": vllm_attention.status(),
+                                  "decode_elementwise": "vllm" if core.forward.small is not None else "torch",
+                                  "vllm_elementwise": vllm_elementwise.status(),
                                   "malloc_keeps_freed": kept, "fused_kernels": fused})
         return core
 

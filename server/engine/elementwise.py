@@ -41,13 +41,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from server import paths
-from server.engine.rope import apply_rope
+from server.engine.rope import Rope, apply_rope
 from server.engine.weights import ModelShape, ModelWeights
 
 log = logging.getLogger("agentshare.engine")
@@ -95,6 +95,71 @@ REGIONS = tuple(f.name for f in dataclasses.fields(Kernels))
 def eager_kernels(eps: float) -> Kernels:
     """The regions as eager torch (what the fused kernels are traced from)."""
     return Kernels(lambda x, w: rms_norm(x, w, eps), lambda h, d, w: add_rms_norm(h, d, w, eps), apply_rope, silu_mul)
+
+
+class Regions(Protocol):
+    """A layer's elementwise regions as the forward calls them, whichever kernels compute them:
+    torch's ops (:class:`TorchRegions`: eager, or the fused kernels) or vLLM's
+    (:class:`~server.engine.vllm_elementwise.VllmRegions`). ``add_rms_norm`` and ``rope`` may
+    write into their inputs."""
+
+    def tables(self, rope: Rope, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """What :meth:`rope` reads for a step's ``positions`` [T], made once a step."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``h + delta`` and its RMSNorm."""
+        ...
+
+    def rope(self, qkv: torch.Tensor, heads: int, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The first ``heads`` heads of the rows ``qkv`` [T, width] (q's, then k's) rotated, as
+        [T, heads, head_dim]."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchRegions:
+    """:class:`Regions` on torch: the eager ops, or the fused kernels (``fused=True``: their
+    inputs made contiguous, as traced; RoPE fused only on a contiguous ``qkv``).
+
+    >>> r = TorchRegions(eager_kernels(0.0))
+    >>> h, x = r.add_rms_norm(torch.tensor([[3.0, 4.0]]), torch.zeros(1, 2), torch.ones(2))
+    >>> h.tolist(), [round(v, 4) for v in x[0].tolist()]
+    ([[3.0, 4.0]], [0.8485, 1.1314])
+    """
+
+    __slots__ = ("_fused", "_k")
+
+    def __init__(self, kernels: Kernels, *, fused: bool = False) -> None:
+        self._k, self._fused = kernels, fused
+
+    def tables(self, rope: Rope, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return rope.tables(positions, dtype)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._k.rms_norm(x.contiguous() if self._fused else x, weight)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fused:
+            h, delta = h.contiguous(), delta.contiguous()
+        return self._k.add_rms_norm(h, delta, weight)
+
+    def rope(self, qkv: torch.Tensor, heads: int, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        t, width = qkv.shape[0], tables[0].shape[-1]
+        fn = self._k.rope if self._fused and qkv.is_contiguous() else apply_rope
+        return fn(qkv[:, : heads * width].view(t, heads, width), *tables)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._k.silu_mul(gate_up.contiguous() if self._fused else gate_up)
+
+
+@functools.cache
+def eager_regions(eps: float) -> TorchRegions:
+    """The eager regions for one norm epsilon (one object per model)."""
+    return TorchRegions(eager_kernels(eps))
 
 
 @dataclass(frozen=True, slots=True)

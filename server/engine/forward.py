@@ -31,15 +31,16 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
+from server.engine import vllm_elementwise
 from server.engine.batch import StepPlan
 from server.engine.cascade import cascade_attention
 from server.engine.elementwise import (
     FUSED_MIN_ROWS,
     FusedSlot,
-    Kernels,
-    add_rms_norm,
+    Regions,
+    TorchRegions,
+    eager_regions,
     rms_norm,
-    silu_mul,
 )
 from server.engine.projection import BaseProjection, Projection
 from server.engine.rope import Rope, apply_rope
@@ -64,6 +65,22 @@ class LlamaForward:
     projection: Projection = field(default_factory=BaseProjection)
     fused: FusedSlot = field(default_factory=FusedSlot, compare=False, repr=False)
     """Fused elementwise kernels for prefill-sized steps, once built (``elementwise``)."""
+    small: Regions | None = field(default=None, compare=False, repr=False)
+    """The elementwise regions of steps below ``FUSED_MIN_ROWS`` rows when not eager: vLLM's ops
+    where they serve these weights (``vllm_elementwise``), set at construction."""
+
+    def __post_init__(self) -> None:
+        if self.small is None and vllm_elementwise.serves(self.weights):
+            object.__setattr__(self, "small", vllm_elementwise.VllmRegions(self.weights, self.rope))
+
+    def regions(self, rows: int) -> Regions:
+        """The elementwise kernels of a step of ``rows`` rows: the fused ones from
+        ``FUSED_MIN_ROWS`` rows once loaded, else :attr:`small` where set, else eager."""
+        if rows >= FUSED_MIN_ROWS:
+            kernels = self.fused.get()
+            if kernels is not None:
+                return TorchRegions(kernels, fused=True)
+        return self.small or eager_regions(self.weights.shape.rms_norm_eps)
 
     @classmethod
     def from_hf(
@@ -113,19 +130,20 @@ class LlamaForward:
         for p in (plan, *(j.plan for j in joins)):
             self.check_positions(p)
         project = projection or self.projection
-        fused = self.fused.get() if len(plan.token_ids if hidden is None else hidden) >= FUSED_MIN_ROWS else None
-        cos, sin = self.rope.tables(plan.positions, w.dtype)
-        h = F.embedding(plan.token_ids, w.embed) if hidden is None else hidden.to(w.dtype)
+        regions = self.regions(len(plan.token_ids if hidden is None else hidden))
+        tables = regions.tables(self.rope, plan.positions, w.dtype)
+        # a copy of given rows: the regions may write into the residual stream
+        h = F.embedding(plan.token_ids, w.embed) if hidden is None else hidden.to(w.dtype, copy=True)
         pending = list(joins)
         for i in range(first_layer, s.num_layers):
             if pending and pending[0].layer == i:
                 join = pending.pop(0)
                 plan, h = join.plan, torch.cat([h, join.hidden.to(w.dtype)])
-                cos, sin = self.rope.tables(plan.positions, w.dtype)
+                tables = regions.tables(self.rope, plan.positions, w.dtype)
             keep = kv.hidden.get(i)
             if keep is not None:
                 keep.index_copy_(0, plan.write_slots, h)
-            h = self._layer(i, w.layers[i], h, cos, sin, plan, kv, project, fused)
+            h = self._layer(i, w.layers[i], h, tables, plan, kv, project, regions)
         if plan.logit_rows is not None:
             h = h.index_select(0, plan.logit_rows)
         h = rms_norm(h, w.final_norm, s.rms_norm_eps)
@@ -136,26 +154,25 @@ class LlamaForward:
         index: int,
         layer: LayerWeights,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
         plan: StepPlan,
         kv: KVStorage,
         project: Projection,
-        fused: Kernels | None = None,
+        regions: Regions,
     ) -> torch.Tensor:
         s = self.weights.shape
         t = h.shape[0]
-        x = rms_norm(h, layer.input_norm, s.rms_norm_eps) if fused is None else fused.rms_norm(h.contiguous(), layer.input_norm)
+        x = regions.rms_norm(h, layer.input_norm)
         qkv = project(x, layer.qkv, layer=index, name="qkv")
         v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
-        if layer.q_norm is not None and layer.k_norm is not None:  # qwen3
+        if layer.q_norm is not None and layer.k_norm is not None:  # qwen3 (torch's regions: cos, sin tables)
+            cos, sin = tables
             q, k, _ = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
             q = rms_norm(q.view(t, s.num_heads, s.head_dim), layer.q_norm, s.rms_norm_eps)
             k = rms_norm(k.view(t, s.num_kv_heads, s.head_dim), layer.k_norm, s.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:  # q and k sit side by side in qkv's output: rotate both heads in one pass
-            rope = apply_rope if fused is None or not qkv.is_contiguous() else fused.rope
-            qk = rope(qkv[:, : s.q_size + s.kv_size].view(t, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
+            qk = regions.rope(qkv, s.num_heads + s.num_kv_heads, tables)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
         k_cache, v_cache = kv.k[index], kv.v[index]
         k_cache.index_copy_(1, plan.write_slots, k.transpose(0, 1))
@@ -170,11 +187,6 @@ class LlamaForward:
             scale=1.0 / math.sqrt(s.head_dim),
         )
         o = project(attn.reshape(t, s.q_size), layer.o, layer=index, name="o")
-        if fused is None:
-            h, x = add_rms_norm(h, o, layer.post_norm, s.rms_norm_eps)
-            return h + project(silu_mul(project(x, layer.gate_up, layer=index, name="gate_up")), layer.down,
-                               layer=index, name="down")
-        h, x = fused.add_rms_norm(h.contiguous(), o.contiguous(), layer.post_norm)
-        gate_up = project(x, layer.gate_up, layer=index, name="gate_up").contiguous()
-        return h + project(fused.silu_mul(gate_up), layer.down, layer=index, name="down")
-
+        h, x = regions.add_rms_norm(h, o, layer.post_norm)
+        gate_up = project(x, layer.gate_up, layer=index, name="gate_up")
+        return h + project(regions.silu_mul(gate_up), layer.down, layer=index, name="down")

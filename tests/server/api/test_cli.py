@@ -62,6 +62,7 @@ def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_pa
     assert (engine["threads"], engine["threads_from"]) == (1, "option")
     assert engine["physical_cores"] >= 1 and engine["dtype"] == "torch.float32" and engine["linears"] == "torch"
     assert engine["decode_attention"] == "cascade"  # fp32: vLLM's decode kernel serves bf16 only
+    assert engine["decode_elementwise"] == "torch"  # and so do its elementwise ops
     assert engine["malloc_keeps_freed"] is sys.platform.startswith("linux")
     assert (engine["device"], engine["device_from"]) == ("cpu", "auto")  # no CUDA device here
     assert 0 < engine["kv_pool_bytes"] <= 8 << 20 and engine["kv_blocks"] > 0  # --kv-cache 8MiB

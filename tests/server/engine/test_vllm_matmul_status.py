@@ -1,6 +1,7 @@
-"""Whether the engine's bf16 linears run on vLLM's oneDNN matmul, and its decode steps on vLLM's
-attention kernel, and why not (their use is tested in tests/vllm/test_vllm_matmul.py and
-tests/vllm/test_vllm_attention.py, where the vllm extra is installed)."""
+"""Whether the engine's bf16 linears run on vLLM's oneDNN matmul, its decode steps on vLLM's
+attention kernel and elementwise ops, and why not (their use is tested in tests/vllm/test_vllm_matmul.py,
+tests/vllm/test_vllm_attention.py and tests/vllm/test_vllm_elementwise.py, where the vllm extra
+is installed)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ import importlib.util
 import pytest
 import torch
 
-from server.engine import vllm_attention, vllm_matmul
+from server.engine import vllm_attention, vllm_elementwise, vllm_matmul
+from server.engine.forward import LlamaForward
 from server.engine.weights import Linear, pack_linear
 
 
 @pytest.fixture
 def fresh_status():
-    vllm_matmul.status.cache_clear()
-    vllm_attention.status.cache_clear()
+    statuses = (vllm_matmul.status, vllm_attention.status, vllm_elementwise.status)
+    for status in statuses:
+        status.cache_clear()
     yield
-    vllm_matmul.status.cache_clear()
-    vllm_attention.status.cache_clear()
+    for status in statuses:
+        status.cache_clear()
 
 
 def test_it_can_be_turned_off(fresh_status, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,3 +52,13 @@ def test_without_the_vllm_package_decode_steps_keep_the_cascade(fresh_status) ->
     said = vllm_attention.status()
     assert said.startswith("off:") and ("not installed" in said or "AVX512-BF16" in said), said
     assert not vllm_attention.serves(torch.bfloat16, "cpu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="the vllm package is installed here")
+def test_without_the_vllm_package_decode_steps_keep_torchs_elementwise_ops(fresh_status, tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    said = vllm_elementwise.status()
+    assert said.startswith("off:") and ("not installed" in said or "AVX512-BF16" in said), said
+    fwd = LlamaForward.from_hf(AutoModelForCausalLM.from_pretrained(tiny_model_dir), dtype=torch.bfloat16)
+    assert fwd.small is None and not vllm_elementwise.serves(fwd.weights)
