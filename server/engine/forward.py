@@ -1,8 +1,10 @@
 """The engine's own forward for the Llama family, over KV blocks it reads and writes in place.
 
-The model math lives here; attention is delegated to ``cascade`` and every matmul to a
-``Projection`` (the LoRA seam). One call runs one step (:class:`~server.engine.batch.StepPlan`):
-any mix of chunked-prefill chunks and single-token decodes, with or without shared prefixes::
+The model math lives here; attention is delegated to ``cascade``, every matmul to a
+``Projection`` (the LoRA seam) and the elementwise regions (norms, RoPE, SiLU·up) to a
+``Regions`` (``elementwise``: torch's ops; ``vllm_elementwise``: vLLM's). One call runs one
+step (:class:`~server.engine.batch.StepPlan`): any mix of chunked-prefill chunks and
+single-token decodes, with or without shared prefixes::
 
     ids ─ embed ─┬─[ layer 0 .. L-1: norm · qkv · RoPE · write K/V to slots · cascade · o ·
                  │                    norm · gate_up · SiLU · down ]─ norm ─ lm_head(logit rows)
