@@ -124,7 +124,7 @@ class WholeSequences:
     new: torch.Tensor  # [R] int32: its new tokens (the last of its sequence)
     starts: torch.Tensor  # [R] int32: its first row in the step
     requests: torch.Tensor  # [R] int64: 0..R-1, the row of ``table`` each request reads
-    loc: torch.Tensor  # [R] int64: where a decode kernel would write new K/V; unused (already written)
+    loc: torch.Tensor  # [R] int64: the slot of each request's last token (where a decode kernel writes its K/V)
     max_new: int
 
     @property
@@ -147,7 +147,7 @@ class WholeSequences:
         rows, new = len(slots), [hi - lo for lo, hi in spans]
         return cls(table, torch.tensor(lengths, dtype=torch.long), torch.tensor(new, dtype=torch.int32),
                    torch.tensor([lo for lo, _ in spans], dtype=torch.int32), torch.arange(rows),
-                   torch.zeros(rows, dtype=torch.long), max(new))
+                   torch.stack([s[-1] for s in slots]).long(), max(new))
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +176,13 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
+
+    @property
+    def attention_writes_kv(self) -> bool:
+        """The step's attention writes its new K/V to ``write_slots`` as it reads (vLLM's decode
+        kernel, for a step of single-token requests laid out whole); else the forward writes them
+        before attending."""
+        return self.sequences is not None and self.sequences.decode_only
 
 
 def plan_step(

@@ -46,7 +46,8 @@ def cascade_attention(
     """Attention output [T, Hkv, G, D] of queries ``q`` [T, Hkv, G, D].
 
     ``k_new``/``v_new`` [T, Hkv, D] are this step's keys/values, already written to
-    ``plan.write_slots`` of ``k_cache``/``v_cache`` [Hkv, slots, D].
+    ``plan.write_slots`` of ``k_cache``/``v_cache`` [Hkv, slots, D], unless the plan says its
+    attention writes them (``StepPlan.attention_writes_kv``: vLLM's decode kernel does, as it reads).
     """
     if plan.sequences is not None:  # laid out only where vLLM's kernels serve (the runner asks)
         return vllm_attention.attend(q, k_new, v_new, k_cache, v_cache, plan.sequences, scale)

@@ -177,8 +177,9 @@ class LlamaForward:
             qk = regions.rope(qkv, s.num_heads + s.num_kv_heads, tables)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
         k_cache, v_cache = kv.k[index], kv.v[index]
-        k_cache.index_copy_(1, plan.write_slots, k.transpose(0, 1))
-        v_cache.index_copy_(1, plan.write_slots, v.transpose(0, 1))
+        if not plan.attention_writes_kv:
+            k_cache.index_copy_(1, plan.write_slots, k.transpose(0, 1))
+            v_cache.index_copy_(1, plan.write_slots, v.transpose(0, 1))
         attn = cascade_attention(
             q.view(t, s.num_kv_heads, s.group_size, s.head_dim),
             k,

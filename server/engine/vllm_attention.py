@@ -73,8 +73,8 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: t
     """Attention output [T, Hkv, G, D] of the step's queries ``q`` [T, Hkv, G, D], each request's
     rows over its whole sequence: :func:`decode` for a step of single-token requests, else
     :func:`extend` (``k_new``/``v_new`` [T, Hkv, D]: the step's keys and values)."""
-    if seqs.decode_only:
-        return decode(q, k_cache, v_cache, seqs, scale)
+    if seqs.decode_only:  # the kernel writes the new K/V at ``seqs.loc`` (StepPlan.attention_writes_kv)
+        return decode(q, k_cache, v_cache, seqs, scale, k_new, v_new)
     return extend(q, k_new, v_new, k_cache, v_cache, seqs, scale)
 
 
@@ -97,9 +97,12 @@ def serves(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: WholeSequences,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, k_new: torch.Tensor | None = None,
+           v_new: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [R, Hkv, G, D] of one query row per request ``q`` [R, Hkv, G, D] over each
-    request's whole sequence in ``k_cache``/``v_cache`` [Hkv, slots, D] (bf16)."""
+    request's whole sequence in ``k_cache``/``v_cache`` [Hkv, slots, D] (bf16). With ``k_new``/``v_new``
+    [R, Hkv, D] the kernel first writes them at each request's last slot (``seqs.loc``), as the
+    forward's copy would; without them they must be there already."""
     rows, hkv, g, d = q.shape
     heads = q.reshape(rows, hkv * g, d)  # KV head-major, as the kernel groups query heads
     out = torch.empty_like(heads)
@@ -108,7 +111,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: 
     splits = 1 if rows * hkv >= 2 * torch.get_num_threads() else 2
     partials = torch.empty(rows, hkv * g, splits, d + 1, dtype=torch.float32)
     torch.ops._C.decode_attention_cpu(
-        heads, k_cache.transpose(0, 1), v_cache.transpose(0, 1), out, None, None, seqs.loc, partials,
+        heads, k_cache.transpose(0, 1), v_cache.transpose(0, 1), out, k_new, v_new, seqs.loc, partials,
         seqs.table, seqs.requests, seqs.lengths, 1.0 / math.sqrt(d) if scale is None else scale, 0.0, False,
         -1, None, None)
     return out.view(rows, hkv, g, d)

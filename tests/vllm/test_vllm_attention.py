@@ -137,6 +137,44 @@ def test_a_forward_of_few_decodes_through_the_kernel_stays_as_close_to_fp32_as_t
     assert agree >= 20, agree  # of 24 rows
 
 
+def test_the_decode_kernel_writes_the_steps_keys_and_values_where_the_forward_would(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    hkv, g, d = 3, 3, 64
+    torch.manual_seed(3)
+    k_cache, v_cache = torch.randn(hkv, 1024, d).bfloat16(), torch.randn(hkv, 1024, d).bfloat16()
+    prefix = SharedPrefix(0, 300)
+    own = [torch.tensor([500 + 40 * r + i for i in range(10)]) for r in range(3)]
+    plan = plan_step([Chunk([1], start=309, slots=o, prefix=prefix) for o in own], block_size=BLOCK,
+                     whole_sequences=vllm_attention.MAX_ROWS)
+    assert plan.attention_writes_kv and plan.sequences is not None
+    q = torch.randn(3, hkv, g, d).bfloat16()
+    qkv = torch.randn(3, (hkv * g + 2 * hkv) * d).bfloat16()  # k and v where the forward has them: views into qkv
+    k_new = qkv[:, hkv * g * d : (hkv * g + hkv) * d].view(3, hkv, d)
+    v_new = qkv[:, (hkv * g + hkv) * d :].view(3, hkv, d)
+    copied_k, copied_v = k_cache.clone(), v_cache.clone()  # what the forward's copy would leave
+    copied_k.index_copy_(1, plan.write_slots, k_new.transpose(0, 1))
+    copied_v.index_copy_(1, plan.write_slots, v_new.transpose(0, 1))
+    want = vllm_attention.decode(q, copied_k, copied_v, plan.sequences)
+    got = vllm_attention.attend(q, k_new, v_new, k_cache, v_cache, plan.sequences)
+    assert torch.equal(k_cache, copied_k) and torch.equal(v_cache, copied_v)  # written, and nothing else touched
+    assert torch.equal(got, want)
+    # in a forward: every layer's K/V of a decode step are in the pool after it, as the kernel was handed them
+    bf16, _ = _tiny_bf16_and_fp32()
+    kv = KVStorage(bf16.kv_spec(), num_blocks=8, block_size=BLOCK)
+    bf16(plan_step([Chunk(torch.arange(40), start=0, slots=torch.arange(40))], block_size=BLOCK), kv)
+    handed = []
+    real = vllm_attention.decode
+    monkeypatch.setattr(vllm_attention, "decode", lambda *a, **k: handed.append((a[5].clone(), a[6].clone())) or real(*a, **k))
+    slots = [kv.slots([4 + r])[:1] for r in range(3)]
+    step = plan_step([Chunk([9 + r], start=32, slots=slots[r], prefix=SharedPrefix(0, 32)) for r in range(3)],
+                     block_size=BLOCK, whole_sequences=vllm_attention.MAX_ROWS)
+    bf16(step, kv)
+    assert len(handed) == bf16.weights.shape.num_layers
+    for layer, (k, v) in enumerate(handed):
+        assert torch.equal(kv.k[layer][:, step.write_slots], k.transpose(0, 1))
+        assert torch.equal(kv.v[layer][:, step.write_slots], v.transpose(0, 1))
+
+
 @pytest.mark.timeout(300)
 def test_the_engine_decodes_a_few_requests_through_the_kernel(base_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []

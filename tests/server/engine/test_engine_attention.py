@@ -109,7 +109,9 @@ def test_a_step_of_few_single_token_requests_carries_their_whole_sequences_when_
     assert seqs is not None and seqs.decode_only and seqs.max_new == 1
     assert seqs.table.dtype == torch.int32 and seqs.lengths.tolist() == [9, 2]
     assert seqs.table.tolist() == [[8, 9, 10, 11, 12, 13, 20, 21, 30], [40, 41, 0, 0, 0, 0, 0, 0, 0]]
-    assert seqs.requests.tolist() == [0, 1] and seqs.loc.shape == (2,) and seqs.starts.tolist() == [0, 1]
+    assert seqs.requests.tolist() == [0, 1] and seqs.starts.tolist() == [0, 1]
+    assert seqs.loc.tolist() == plan.write_slots.tolist() == [30, 41]  # where the decode kernel writes K/V
+    assert plan.attention_writes_kv  # so the forward does not copy them first
     # not asked, or more single-token requests than asked for over a shared prefix: the cascade's plan only
     assert plan_step(decodes, block_size=block).sequences is None
     assert plan_step(decodes, block_size=block, whole_sequences=1).sequences is None
@@ -128,6 +130,8 @@ def test_a_step_that_reads_no_shared_prefix_carries_every_request_whole_when_ask
     assert seqs.new.dtype == seqs.starts.dtype == seqs.table.dtype == torch.int32
     assert seqs.table.tolist() == [[4, 5, 6, 7, 9], [12, 0, 0, 0, 0], [16, 17, 0, 0, 0]]
     assert plan_step(chunks, block_size=4).sequences is None
+    assert not plan_step(chunks, block_size=4, whole_sequences=1).attention_writes_kv  # the extend kernel reads them
+    assert not plan_step(chunks, block_size=4).attention_writes_kv
 
 
 def test_long_contiguous_histories_of_decodes_are_read_as_views_with_the_same_attention() -> None:
