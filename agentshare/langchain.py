@@ -13,18 +13,19 @@ put before every call's messages, so several instances (different agents) share 
 This module imports ``langchain_core`` (install the extra: ``pip install 'agentshare[langchain]'``);
 ``agentshare`` itself does not import it.
 
->>> from langchain_core.messages import HumanMessage, SystemMessage
->>> llm = ChatAgentshare(client=client, agent="coder", max_tokens=4, temperature=0)
->>> msg = await llm.ainvoke([SystemMessage("Answer briefly."), HumanMessage("Name a colour.")])
->>> msg.response_metadata["model_name"], msg.usage_metadata["output_tokens"]
-('coder', 4)
->>> team = [ChatAgentshare(client=client, agent=a, shared_context="Spec: square(x) returns x * x.",
-...                        max_tokens=2) for a in ("base", "coder")]
->>> reads = [(await m.ainvoke("Plan it.")).usage_metadata["input_token_details"]["cache_read"] for m in team]
->>> [r >= 32 for r in reads]                    # each reads the pinned context's two full blocks
-[True, True]
->>> for m in team:
-...     await m.aclose()                        # unpins the shared context
+Examples:
+    >>> from langchain_core.messages import HumanMessage, SystemMessage
+    >>> llm = ChatAgentshare(client=client, agent="coder", max_tokens=4, temperature=0)
+    >>> msg = await llm.ainvoke([SystemMessage("Answer briefly."), HumanMessage("Name a colour.")])
+    >>> msg.response_metadata["model_name"], msg.usage_metadata["output_tokens"]
+    ('coder', 4)
+    >>> team = [ChatAgentshare(client=client, agent=a, shared_context="Spec: square(x) returns x * x.",
+    ...                        max_tokens=2) for a in ("base", "coder")]
+    >>> reads = [(await m.ainvoke("Plan it.")).usage_metadata["input_token_details"]["cache_read"] for m in team]
+    >>> [r >= 32 for r in reads]                    # each reads the pinned context's two full blocks
+    [True, True]
+    >>> for m in team:
+    ...     await m.aclose()                        # unpins the shared context
 """
 
 from __future__ import annotations
@@ -82,14 +83,16 @@ class ChatAgentshare(BaseChatModel):
     local server is launched on first use (as ``AsyncClient()`` does) and stopped by
     :meth:`close`/:meth:`aclose`.
 
-    Args:
-        model: the agent (decode module) answering; alias ``agent``. Default ``"base"``.
-        shared_context: messages (LangChain messages, ``{"role", "content"}`` dicts, or strings:
-            user messages; a string alone is one) pinned once on the server when first needed,
-            put before every call's messages, and unpinned by :meth:`close`/:meth:`aclose`.
-        context_ttl: seconds the server keeps ``shared_context`` pinned (server default: 600).
-        temperature, max_tokens, top_p, top_k, seed, stop: sampling (``None``: the server's).
-        model_kwargs: more fields of the request body.
+    Its fields (keyword arguments):
+
+    - ``model``: the agent (decode module) answering; alias ``agent``. Default ``"base"``.
+    - ``shared_context``: messages (LangChain messages, ``{"role", "content"}`` dicts, or strings:
+      user messages; a string alone is one) pinned once on the server when first needed, put
+      before every call's messages, and unpinned by :meth:`close`/:meth:`aclose`.
+    - ``context_ttl``: seconds the server keeps ``shared_context`` pinned (server default: 600).
+    - ``temperature``, ``max_tokens``, ``top_p``, ``top_k``, ``seed``, ``stop``: sampling
+      (``None``: the server's).
+    - ``model_kwargs``: more fields of the request body.
     """
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)

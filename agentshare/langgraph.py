@@ -13,16 +13,17 @@ still to read the context and unpins it after the last (instead of a ``release_n
 This module does not import ``langgraph`` (install the extra: ``pip install 'agentshare[langgraph]'``);
 the nodes are plain async callables of the state.
 
->>> from langgraph.graph import StateGraph, START, END
->>> g = (StateGraph(TeamState)
-...      .add_node("context", context_node(client))
-...      .add_node("planner", agent_node(client, Agent("planner", instruction="Plan it."), max_tokens=8))
-...      .add_node("release", release_node(client))
-...      .add_edge(START, "context").add_edge("context", "planner")
-...      .add_edge("planner", "release").add_edge("release", END))
->>> out = await g.compile().ainvoke({"document": "Incident: the nightly export timed out twice."})
->>> sorted(out["answers"]), out["usage"]["planner"].cached_tokens
-(['planner'], 32)
+Examples:
+    >>> from langgraph.graph import StateGraph, START, END
+    >>> g = (StateGraph(TeamState)
+    ...      .add_node("context", context_node(client))
+    ...      .add_node("planner", agent_node(client, Agent("planner", instruction="Plan it."), max_tokens=8))
+    ...      .add_node("release", release_node(client))
+    ...      .add_edge(START, "context").add_edge("context", "planner")
+    ...      .add_edge("planner", "release").add_edge("release", END))
+    >>> out = await g.compile().ainvoke({"document": "Incident: the nightly export timed out twice."})
+    >>> sorted(out["answers"]), out["usage"]["planner"].cached_tokens
+    (['planner'], 32)
 """
 
 from __future__ import annotations
@@ -241,17 +242,18 @@ def fan_out(client: AsyncClient, agents: Sequence[Agent | str | tuple[Agent | st
         retention: the graph's :class:`Retention` (the context made by a ``context_node`` of it).
         **sampling: applied to every sibling (over its own defaults).
 
-    >>> from langgraph.graph import StateGraph, START, END
-    >>> retention = Retention(client)
-    >>> team = fan_out(client, [Agent("planner", instruction="Plan it."), Agent("coder", module="coder", instruction="Code it.")],
-    ...                retention=retention, max_tokens=4)
-    >>> g = (StateGraph(TeamState).add_node("context", context_node(client, retention=retention))
-    ...      .add_node(team.name, team.node).add_edge(START, "context")
-    ...      .add_conditional_edges("context", team.route, [team.name]).add_edge(team.name, END))
-    >>> async with retention:
-    ...     out = await g.compile().ainvoke({"document": "Incident: the nightly export timed out twice."})
-    >>> sorted(out["answers"]), out["usage"]["coder"].cached_tokens, retention.held
-    (['coder', 'planner'], 32, [])
+    Examples:
+        >>> from langgraph.graph import StateGraph, START, END
+        >>> retention = Retention(client)
+        >>> team = fan_out(client, [Agent("planner", instruction="Plan it."), Agent("coder", module="coder", instruction="Code it.")],
+        ...                retention=retention, max_tokens=4)
+        >>> g = (StateGraph(TeamState).add_node("context", context_node(client, retention=retention))
+        ...      .add_node(team.name, team.node).add_edge(START, "context")
+        ...      .add_conditional_edges("context", team.route, [team.name]).add_edge(team.name, END))
+        >>> async with retention:
+        ...     out = await g.compile().ainvoke({"document": "Incident: the nightly export timed out twice."})
+        >>> sorted(out["answers"]), out["usage"]["coder"].cached_tokens, retention.held
+        (['coder', 'planner'], 32, [])
     """
     pairs = [(as_agent(t[0]), t[1]) if isinstance(t, tuple) else (as_agent(t), None) for t in agents]
     if not pairs:

@@ -69,8 +69,9 @@ class Codec(StrEnum):
 def is_lossy(codec: str, source: torch.dtype) -> bool:
     """Whether KV of dtype ``source`` can come back different after ``codec``.
 
-    >>> [is_lossy(c, s) for c in Codec for s in (torch.float32, torch.bfloat16)]
-    [False, False, True, False, True, True]
+    Examples:
+        >>> [is_lossy(c, s) for c in Codec for s in (torch.float32, torch.bfloat16)]
+        [False, False, True, False, True, True]
     """
     return codecs.get(codec).is_lossy(source)
 

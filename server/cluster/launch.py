@@ -85,12 +85,13 @@ def plan_workers(
     sees only its own device (``CUDA_VISIBLE_DEVICES``) and runs on it as ``cuda``. Workers that
     share a device split its memory share between them.
 
-    >>> specs = plan_workers(1, 2, {"a": Path("/a"), "b": Path("/b"), "c": Path("/c")}, cores=2)
-    >>> [(s.role, sorted(s.modules), s.threads) for s in specs]
-    [('prefill', [], 1), ('decode', ['a', 'c'], 1), ('decode', ['b'], 1)]
-    >>> specs = plan_workers(1, 3, {}, cores=4, prefill_devices=["0"], decode_devices=["1", "2"])
-    >>> [(s.env.get("CUDA_VISIBLE_DEVICES"), s.device, s.memory_share) for s in specs]
-    [('0', 'cuda', 1.0), ('1', 'cuda', 0.5), ('2', 'cuda', 1.0), ('1', 'cuda', 0.5)]
+    Examples:
+        >>> specs = plan_workers(1, 2, {"a": Path("/a"), "b": Path("/b"), "c": Path("/c")}, cores=2)
+        >>> [(s.role, sorted(s.modules), s.threads) for s in specs]
+        [('prefill', [], 1), ('decode', ['a', 'c'], 1), ('decode', ['b'], 1)]
+        >>> specs = plan_workers(1, 3, {}, cores=4, prefill_devices=["0"], decode_devices=["1", "2"])
+        >>> [(s.env.get("CUDA_VISIBLE_DEVICES"), s.device, s.memory_share) for s in specs]
+        [('0', 'cuda', 1.0), ('1', 'cuda', 0.5), ('2', 'cuda', 1.0), ('1', 'cuda', 0.5)]
     """
     if prefill < 0 or decode < 1:
         raise ValueError("a cluster needs at least one decode worker and no negative counts")
