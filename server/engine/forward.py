@@ -68,8 +68,9 @@ class LlamaForward:
     fused: FusedSlot = field(default_factory=FusedSlot, compare=False, repr=False)
     """Fused elementwise kernels for prefill-sized steps, once built (``elementwise``)."""
     small: Regions | None = field(default=None, compare=False, repr=False)
-    """The elementwise regions of steps below ``FUSED_MIN_ROWS`` rows when not eager: vLLM's ops
-    where they serve these weights (``vllm_elementwise``), set at construction."""
+    """The elementwise regions of steps the fused kernels do not take (below ``FUSED_MIN_ROWS`` rows,
+    or before they are built) when not eager: vLLM's ops where they serve these weights
+    (``vllm_elementwise``), set at construction."""
 
     def __post_init__(self) -> None:
         if self.small is None and vllm_elementwise.serves(self.weights):
