@@ -13,14 +13,13 @@ model. Not a test: the figures depend on the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from collections.abc import Callable
 from unittest import mock
 
 import torch
 
-from benchmarks.pairs import side_by_side
+from benchmarks.pairs import side_by_side, summary, write_json
 from server.engine import batch
 from server.engine.batch import Chunk, plan_step
 from server.engine.forward import LlamaForward
@@ -66,15 +65,9 @@ def main() -> None:
             arms = {"gathered": workload(fwd, r, args.context, args.steps, False),
                     "views": workload(fwd, r, args.context, args.steps, True)}
             row = side_by_side(arms, args.reps, args.steps)
-            ms, diff = row["ms_per_step"], row["max_logit_diff"]
             results["runs"][r] = row  # type: ignore[index]
-            print(f"{r:2} requests over {args.context} tokens each: gathered {ms['gathered']:6.1f} "  # type: ignore[index]
-                  f"ms/step   views {ms['views']:6.1f} ms/step   views/gathered "  # type: ignore[index]
-                  f"{row['ratio_median']:.3f} ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}, {args.reps} pairs)   "
-                  f"max |Δ logit| {diff:.3g}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            print(summary(f"{r:2} requests over {args.context} tokens each", row), flush=True)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -28,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.pairs import side_by_side
+from benchmarks.pairs import side_by_side, summary, write_json
 from server.engine import vllm_attention
 from server.engine.attention import merge_partials
 from server.engine.batch import Chunk, SharedPrefix, plan_step
@@ -144,13 +143,8 @@ def main() -> None:
             name = workload if workload == "prefill" else f"{workload} {r}"
             res = forward(fwd, ids, workload, r, args.steps, args.reps)
             results["forward"][name] = res  # type: ignore[index]
-            ms = res["ms_per_step"]
-            print(f"forward, {name:10}: cascade {ms['cascade']:5.1f} ms/step   kernel {ms['kernel']:5.1f} ms/step   "  # type: ignore[index]
-                  f"kernel/cascade {res['ratio_median']:.3f} ({res['ratio_min']:.3f}-{res['ratio_max']:.3f}, "
-                  f"{args.reps} pairs)   max |Δ logit| {res['max_logit_diff']:.3g}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            print(summary(f"forward, {name:10}", res), flush=True)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ vllm extra (run it with ``.venv-vllm/bin/python``); not a test: the figures depe
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from collections.abc import Callable
 
 import torch
 
-from benchmarks.pairs import side_by_side
+from benchmarks.pairs import side_by_side, summary, write_json
 from server.engine import vllm_attention, vllm_elementwise
 from server.engine.batch import Chunk, SharedPrefix, plan_step
 from server.engine.elementwise import KernelSpec, Regions, TorchRegions, eager_regions, load
@@ -105,13 +104,8 @@ def main() -> None:
         for name, run in work:
             res = run()
             results["forward"][name] = res  # type: ignore[index]
-            ms = res["ms_per_step"]
-            print(f"{name:12}: torch {ms['torch']:7.1f} ms/step   vllm {ms['vllm']:7.1f} ms/step   "  # type: ignore[index]
-                  f"vllm/torch {res['ratio_median']:.3f} ({res['ratio_min']:.3f}-{res['ratio_max']:.3f}, "
-                  f"{args.reps} pairs)   max |Δ logit| {res['max_logit_diff']:.3g}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            print(summary(f"{name:12}", res), flush=True)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ logits of the two kernels are compared first. Needs the vllm extra (run it with
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from collections.abc import Callable
 from unittest import mock
 
 import torch
 
-from benchmarks.pairs import side_by_side
+from benchmarks.pairs import side_by_side, summary, write_json
 from server.engine import vllm_matmul
 from server.engine.batch import Chunk, SharedPrefix, plan_step
 from server.engine.forward import LlamaForward
@@ -81,16 +80,9 @@ def main() -> None:
     with torch.inference_mode():
         for name, (per, arms) in work.items():
             row = side_by_side(arms, args.reps, per)
-            diff, same = row["max_logit_diff"], row["same_argmax"]
             results["runs"][name] = row  # type: ignore[index]
-            ms = row["ms_per_step"]
-            print(f"{name:16} inner product {ms['inner']:7.1f} ms   matmul "  # type: ignore[index]
-                  f"{ms['matmul']:7.1f} ms   matmul/inner {row['ratio_median']:.3f} "  # type: ignore[index]
-                  f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}, {args.reps} pairs)   "
-                  f"max |Δ logit| {diff:.3g}, same argmax: {same}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            print(summary(f"{name:16}", row), flush=True)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

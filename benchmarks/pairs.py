@@ -7,13 +7,16 @@ than the ratio of two medians taken minutes apart.
 >>> row = side_by_side({"a": lambda: [], "b": lambda: []}, reps=2)
 >>> sorted(row), len(row["runs_ms"]["a"])
 (['max_logit_diff', 'ms_per_step', 'ratio_max', 'ratio_median', 'ratio_min', 'runs_ms', 'same_argmax'], 2)
+>>> summary("x", row).startswith("x: a ")
+True
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -38,3 +41,22 @@ def side_by_side(arms: dict[str, Arm], reps: int, per: int = 1) -> dict[str, obj
     return {"ms_per_step": {k: statistics.median(v) for k, v in times.items()},
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "max_logit_diff": diff, "same_argmax": same, "runs_ms": times}
+
+
+def summary(name: str, row: Mapping[str, object]) -> str:
+    """One line of a :func:`side_by_side` row: each arm's ms, the second over the first (median,
+    range, pairs), and how far their logits were apart."""
+    ms = row["ms_per_step"]
+    assert isinstance(ms, dict)
+    (first, a), (second, b) = ms.items()
+    pairs = len(row["runs_ms"][first])  # type: ignore[index]
+    return (f"{name}: {first} {a:7.1f} ms/step   {second} {b:7.1f} ms/step   {second}/{first} {row['ratio_median']:.3f} "
+            f"({row['ratio_min']:.3f}-{row['ratio_max']:.3f}, {pairs} pairs)   max |Δ logit| {row['max_logit_diff']:.3g}, "
+            f"same argmax: {row['same_argmax']}")
+
+
+def write_json(path: str | None, results: object) -> None:
+    """Write a benchmark's figures to ``path`` (None: nowhere)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
