@@ -376,7 +376,7 @@ def main() -> None:
     import torch
     from engine_sharing import make_loras
 
-    from server.engine.numerics import dtype_name, resolve_dtype
+    from server.engine.numerics import cpu_bf16, cpu_model, dtype_name, resolve_dtype
     from server.kv.family import family_digest
     from server.models.loader import default_model_dir
 
@@ -387,7 +387,8 @@ def main() -> None:
         print(f"vLLM arm skipped: {vinfo}")
     log_dir = Path(tempfile.mkdtemp(prefix="headline_http_"))
     res: JSON = {
-        "machine": {"processor": platform.processor(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+        "machine": {"processor": platform.processor(), "machine": platform.machine(), "cpu": cpu_model(),
+                    "cpu_bf16": cpu_bf16(), "cpu_count": os.cpu_count(),
                     "cores_used": cores_s},
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
                      "vllm": vinfo.split()[0] if py else None, "vllm_torch": vinfo.split()[-1] if py else None,

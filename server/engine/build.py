@@ -25,7 +25,14 @@ from server.engine.device import resolve_device
 from server.engine.elementwise import KernelSpec
 from server.engine.forward import LlamaForward
 from server.engine.modules import base_module, load_module
-from server.engine.numerics import choose_threads, dtype_name, resolve_dtype, set_threads
+from server.engine.numerics import (
+    choose_threads,
+    cpu_bf16,
+    cpu_model,
+    dtype_name,
+    resolve_dtype,
+    set_threads,
+)
 from server.kv.family import family_parts
 from server.models.loader import load_model
 from server.models.patch import resolve_model_dir
@@ -105,7 +112,8 @@ def start_engine(
             fused = "loaded" if core.forward.fused.await_build(KernelSpec.of(core.forward.weights)) else "building"
         log.info("engine", extra={"event": "engine", "threads": torch.get_num_threads(), "threads_from": choice.source,
                                   "physical_cores": choice.physical_cores, "device": str(dev),
-                                  "device_name": device_name(dev), "device_from": "auto" if str(device) == "auto" else "option",
+                                  "device_name": device_name(dev), "cpu": cpu_model(), "cpu_bf16": cpu_bf16(),
+                                  "device_from": "auto" if str(device) == "auto" else "option",
                                   "kv_pool_bytes": core.kv.total_bytes, "kv_blocks": core.kv.num_blocks,
                                   "dtype": str(core.forward.weights.dtype),
                                   "linears": core.forward.weights.layers[0].qkv.kernel,

@@ -12,6 +12,7 @@ True
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -24,13 +25,38 @@ _NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 @cache
-def cpu_has_native_bf16() -> bool:
-    """True if the CPU advertises AMX-BF16 or AVX512-BF16 (Linux /proc/cpuinfo)."""
+def _cpuinfo() -> str:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return ""
+
+
+def cpu_bf16() -> str:
+    """The CPU's native bf16 instructions (Linux /proc/cpuinfo): ``amx`` (AMX-BF16 tiles: what
+    vLLM's CPU kernels and oneDNN's fastest GEMMs use), ``avx512_bf16`` (bf16 dot products in
+    AVX-512 registers only) or ``none``. Logged at start, and recorded by the speed benchmarks:
+    the engine's standing beside vLLM differs between the first two (docs/engine.md).
+
+    >>> cpu_bf16() in ("amx", "avx512_bf16", "none")
+    True
+    """
+    flags = set(_cpuinfo().split())
+    return "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "none"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else the machine's architecture."""
+    for line in _cpuinfo().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.machine()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True if the CPU advertises AMX-BF16 or AVX512-BF16."""
+    return cpu_bf16() != "none"
 
 
 def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:

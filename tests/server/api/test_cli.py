@@ -65,6 +65,7 @@ def test_serve_command(tiny_model_dir: Path, agent_dirs: dict[str, Path], tmp_pa
     assert engine["decode_elementwise"] == "torch"  # and so do its elementwise ops
     assert engine["malloc_keeps_freed"] is sys.platform.startswith("linux")
     assert (engine["device"], engine["device_from"]) == ("cpu", "auto")  # no CUDA device here
+    assert engine["cpu"] and engine["cpu_bf16"] in ("amx", "avx512_bf16", "none")
     assert 0 < engine["kv_pool_bytes"] <= 8 << 20 and engine["kv_blocks"] > 0  # --kv-cache 8MiB
     assert engine["fused_kernels"] == "building"
     fused = next(r for r in records if r.get("event") == "fused_kernels")
