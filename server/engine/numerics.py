@@ -32,6 +32,7 @@ def _cpuinfo() -> str:
         return ""
 
 
+@cache
 def cpu_bf16() -> str:
     """The CPU's native bf16 instructions (Linux /proc/cpuinfo): ``amx`` (AMX-BF16 tiles: what
     vLLM's CPU kernels and oneDNN's fastest GEMMs use), ``avx512_bf16`` (bf16 dot products in
