@@ -64,6 +64,8 @@ MODULES: dict[str, Module] = {
     # the vllm engine's prefix store and its transfer between hosts (what reaches a decode instance)
     "store": Module("server/vllm/store.py", ("tests/server/vllm/test_store.py",)),
     "relay": Module("server/vllm/relay.py", ("tests/server/vllm/test_relay.py",)),
+    # the compute dtype, the thread budget and the CPU's bf16 instructions of an engine process
+    "numerics": Module("server/engine/numerics.py", ("tests/server/engine/test_numerics.py", "server/engine/numerics.py")),
     # which module directories share the base's prefill, get a private one, or are refused
     "registry": Module("server/modules/registry.py", ("tests/server/modules/test_registry.py",)),
 }

@@ -32,29 +32,35 @@ def _cpuinfo() -> str:
         return ""
 
 
-@cache
-def cpu_bf16() -> str:
-    """The CPU's native bf16 instructions (Linux /proc/cpuinfo): ``amx`` (AMX-BF16 tiles: what
-    vLLM's CPU kernels and oneDNN's fastest GEMMs use), ``avx512_bf16`` (bf16 dot products in
-    AVX-512 registers only) or ``none``. Logged at start, and recorded by the speed benchmarks:
-    the engine's standing beside vLLM differs between the first two (docs/engine.md).
+def cpu_bf16(cpuinfo: str | None = None) -> str:
+    """The CPU's native bf16 instructions, read from ``cpuinfo`` (default: Linux /proc/cpuinfo):
+    ``amx`` (AMX-BF16 tiles: what vLLM's CPU kernels and oneDNN's fastest GEMMs use),
+    ``avx512_bf16`` (bf16 dot products in AVX-512 registers only) or ``none``. Logged at start,
+    and recorded by the speed benchmarks: the engine's standing beside vLLM differs between the
+    first two (docs/engine.md).
 
-    >>> cpu_bf16() in ("amx", "avx512_bf16", "none")
-    True
+    >>> cpu_bf16("flags : avx512f avx512_bf16 amx_bf16 amx_tile"), cpu_bf16("flags : avx512f avx512_bf16")
+    ('amx', 'avx512_bf16')
     """
-    flags = set(_cpuinfo().split())
+    flags = set((_cpuinfo() if cpuinfo is None else cpuinfo).split())
     return "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "none"
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else the machine's architecture."""
-    for line in _cpuinfo().splitlines():
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name, read from ``cpuinfo`` (default: Linux /proc/cpuinfo), else the
+    machine's architecture.
+
+    >>> cpu_model("model name : AMD EPYC")
+    'AMD EPYC'
+    """
+    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         key, _, value = line.partition(":")
         if key.strip() == "model name" and value.strip():
             return value.strip()
     return platform.machine()
 
 
+@cache
 def cpu_has_native_bf16() -> bool:
     """True if the CPU advertises AMX-BF16 or AVX512-BF16."""
     return cpu_bf16() != "none"
