@@ -141,15 +141,24 @@ def can_pack(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
 def pack_linear(linear: Linear) -> Linear:
     """``linear`` with its weight reordered for oneDNN (the plain weight is released): for its
     matmul where the vllm package provides it (:mod:`server.engine.vllm_matmul`), else for its
-    inner product.
+    inner product. Only where :func:`can_pack` (bf16 on a CPU with native bf16): elsewhere it
+    would not pay, and oneDNN refuses bf16 on CPUs without AVX-512 (AVX2 only).
 
     >>> lin = Linear(torch.randn(4, 8, dtype=torch.bfloat16))
     >>> x = torch.randn(3, 8, dtype=torch.bfloat16)
-    >>> packed = pack_linear(lin)
-    >>> packed.weight.device.type, torch.equal(packed(x), lin(x))
-    ('meta', True)
+    >>> if can_pack(torch.bfloat16):
+    ...     packed = pack_linear(lin)
+    ...     assert packed.weight.device.type == "meta" and torch.equal(packed(x), lin(x))
+    >>> pack_linear(Linear(torch.randn(4, 8)))
+    Traceback (most recent call last):
+    ValueError: cannot pack a torch.float32 linear on cpu: oneDNN packing needs bf16 on a CPU with native bf16 (can_pack)
     """
     w = linear.weight
+    if not can_pack(w.dtype, w.device):
+        raise ValueError(
+            f"cannot pack a {w.dtype} linear on {w.device}: oneDNN packing needs bf16 on a CPU with native "
+            "bf16 (can_pack)"
+        )
     meta = torch.empty(w.shape, dtype=w.dtype, device="meta")
     if vllm_matmul.available():  # oneDNN's matmul: faster at decode sizes, the same numbers
         return Linear(meta, linear.bias, matmul=vllm_matmul.pack(w))

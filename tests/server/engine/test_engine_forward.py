@@ -7,12 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from server.engine import weights
 from server.engine.batch import Chunk, plan_step
 from server.engine.forward import Join, LlamaForward
 from server.engine.rope import Rope, UnsupportedRopeError
-from server.engine.weights import ModelShape, UnsupportedModelError, can_pack
+from server.engine.weights import (
+    Linear,
+    ModelShape,
+    ModelWeights,
+    UnsupportedModelError,
+    can_pack,
+    pack_linear,
+)
 from server.kv.storage import KVStorage
 
 LLAMA3_ROPE = {
@@ -96,6 +104,21 @@ def test_sliding_window_caps_the_context() -> None:
 
     shape = ModelShape.from_config(MistralConfig(sliding_window=512, max_position_embeddings=4096))
     assert shape.max_context == 512
+
+
+def test_packing_where_it_cannot_pay_is_refused_naming_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 is never packed (the oracle paths keep F.linear); bf16 is refused on a CPU without
+    native bf16, where oneDNN itself refuses bf16 without AVX-512 (seen on an AVX2-only EPYC)."""
+    with pytest.raises(ValueError, match=r"cannot pack a torch\.float32 linear on cpu: .*native bf16 \(can_pack\)"):
+        pack_linear(Linear(torch.randn(4, 8)))
+    monkeypatch.setattr(weights, "cpu_has_native_bf16", lambda: False)
+    assert not can_pack(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"cannot pack a torch\.bfloat16 linear on cpu"):
+        pack_linear(Linear(torch.randn(4, 8, dtype=torch.bfloat16)))
+    tiny = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    plain = ModelWeights.from_hf(LlamaForCausalLM(tiny), dtype=torch.bfloat16)  # pack=None: where it pays
+    assert plain.layers[0].qkv.kernel == "torch"
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN packing needs a CPU with native bf16")

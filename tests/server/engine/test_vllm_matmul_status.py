@@ -12,7 +12,7 @@ import torch
 
 from server.engine import vllm_attention, vllm_elementwise, vllm_matmul
 from server.engine.forward import LlamaForward
-from server.engine.weights import Linear, pack_linear
+from server.engine.weights import Linear, can_pack, pack_linear
 
 
 @pytest.fixture
@@ -33,6 +33,7 @@ def test_it_can_be_turned_off(fresh_status, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="the vllm package is installed here")
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN packing needs a CPU with native bf16")
 def test_without_the_vllm_package_it_says_so_and_linears_stay_on_the_inner_product(fresh_status) -> None:
     said = vllm_matmul.status()
     assert said.startswith("off:") and ("not installed" in said or "AVX512-BF16" in said), said
