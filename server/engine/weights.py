@@ -213,7 +213,7 @@ class ModelWeights:
         needed). ``device``: where the weights go (None: where the model is).
 
         ``pack``: reorder the linears for oneDNN; ``None`` packs where :func:`can_pack` says it
-        pays (bf16 on a CPU with native bf16).
+        pays (bf16 on a CPU with native bf16); ``True`` where it does not raises ``ValueError``.
         """
         state = {k: v.detach() for k, v in model.state_dict().items()}
         weights = cls.from_state_dict(model.config, state, dtype=dtype, device=device)

@@ -22,7 +22,7 @@ run (3,200 positions per row) holds with no room at all."""
 
 # Over the 60 s default: measured warm, 1 thread, 131 s of CPU (257 s wall beside another job);
 # a first run on a machine also converts the default model and builds the LoRAs (~40 s). On a CPU
-# without native bf16 (an AVX2-only EPYC) torch computes bf16 the slow way: 298 s cold in CI's run.
+# without native bf16 (an AVX2-only EPYC) torch computes bf16 the slow way: 298 s cold in a clean-clone run.
 pytestmark = pytest.mark.timeout(600)
 
 
