@@ -8,8 +8,23 @@ attention is peaked rather than uniform: masking or position bugs then change lo
 Doctests and the Python blocks of ``README.md`` and ``docs/`` run as notebook cells
 (:mod:`tests.notebook`: top-level ``await``). Besides its module's globals, a doctest finds the
 names of :data:`DOCTEST_NAMES` (each built only for a docstring that reads it), and runs in a
-fresh temporary directory. A doctest with an example flagged ``# doctest: +SLOW`` is marked
-``slow``.
+fresh temporary directory.
+
+Every test gets its tier here, from where it lives and the fixtures it uses, never by hand
+(:func:`tier_of`; the budgets are in ``tests/tiers.toml``)::
+
+    vllm     tests/vllm/, server/vllm/connector.py   real vLLM instances (.venv-vllm)
+    cuda     a ``cuda`` device parameter             needs a CUDA device (scripts/device-check)
+    faults   the ``fault_cluster`` fixture            kills and restarts workers in real time
+    bench    tests/benchmarks/ + ``default_model``    a benchmark script at full size
+    model    the ``default_model`` fixture            loads the default model (also README.md's
+                                                      blocks and ``# doctest: +MODEL`` examples)
+    default  everything else                          unit and tiny-model tests
+
+``pytest`` alone runs the default tier (``addopts``); ``scripts/test`` runs default, model,
+faults and vllm (what CI runs), ``scripts/test --fast`` the default tier, ``--all`` every tier.
+A benchmark run at full size (bench) keeps a tiny-model twin of the same script in the default
+tier, in the same file.
 """
 
 from __future__ import annotations
@@ -17,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import doctest
 import os
+import tomllib
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +111,16 @@ def make_tiny_model(
 
 
 @pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The default model's directory (SmolLM2-135M-Instruct, converted from its GGUF on first use).
+    A test that uses it is in the ``model`` tier (``bench`` under tests/benchmarks/), including a
+    test that only starts a process on it (the demo, a benchmark script, the shipped team's base)."""
+    from server.models.loader import default_model_dir
+
+    return default_model_dir(progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
     """A tiny random Llama (3 layers, hidden 256, 4 q / 2 kv heads of 64, tied embeddings)."""
     return make_tiny_model("llama")
@@ -101,7 +128,7 @@ def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
 
 # ---- doctests -------------------------------------------------------------------------------
 
-SLOW = doctest.register_optionflag("SLOW")  # `# doctest: +SLOW`: the docstring runs with -m slow
+MODEL = doctest.register_optionflag("MODEL")  # `# doctest: +MODEL`: the docstring loads the default model (tier model)
 
 try:  # the vllm engine (its connector subclasses vLLM's, tests/vllm start vLLM): only where vLLM is installed
     import vllm  # noqa: F401
@@ -175,13 +202,38 @@ def _doctest_namespace(request: pytest.FixtureRequest) -> Iterator[None]:
             del namespace[name]
 
 
+# ---- tiers ----------------------------------------------------------------------------------
+
+TIERS = ("default", "model", "bench", "faults", "vllm", "cuda")
+ROOT = Path(__file__).resolve().parent
+BUDGETS: dict[str, float] = {t: float(v["budget_s"]) for t, v in tomllib.loads((ROOT / "tests" / "tiers.toml").read_text()).items()}
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The item's tier, from its path and its fixtures (the table in this module's docstring)."""
+    path = Path(str(item.path)).resolve().relative_to(ROOT).as_posix()
+    if path.startswith("tests/vllm/") or path == "server/vllm/connector.py":
+        return "vllm"
+    if item.get_closest_marker("cuda") is not None:  # a `cuda` device parameter (tests/cuda)
+        return "cuda"
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if "fault_cluster" in fixtures:
+        return "faults"
+    model = ("default_model" in fixtures
+             or (isinstance(item, DoctestItem) and any(e.options.get(MODEL) for e in item.dtest.examples))
+             or (isinstance(item, SybilItem) and "sybil:default-model" in item.name))
+    if model:
+        return "bench" if path.startswith("tests/benchmarks/") else "model"
+    return "default"
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     for item in items:  # marked before -m deselects
-        if isinstance(item, DoctestItem) and any(e.options.get(SLOW) for e in item.dtest.examples):
-            item.add_marker(pytest.mark.slow)
-        if isinstance(item, SybilItem) and "sybil:default-model" in item.name:
-            item.add_marker(pytest.mark.slow)
+        tier = tier_of(item)
+        item.user_properties.append(("tier", tier))
+        if tier != "default":
+            item.add_marker(getattr(pytest.mark, tier))
     yield
     # A document's blocks run together and in order, as a notebook's cells, even in a shuffled run
     # (pytest-randomly shuffles them with the doctests, as items of no module): put them back so,
@@ -196,6 +248,31 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     others = [item for item in items if not isinstance(item, SybilItem)]
     blocks = [b for document in documents.values() for b in sorted(document, key=lambda b: b.example.line)]
     items[:] = [*others[:first], *blocks, *others[first:]]
+
+
+_spent: dict[str, float] = defaultdict(float)
+_counted: dict[str, set[str]] = defaultdict(set)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    tier = dict(report.user_properties).get("tier")
+    if tier is not None:
+        _spent[tier] += report.duration  # setup, call and teardown
+        _counted[tier].add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Each tier's test time against its budget in tests/tiers.toml (said, not enforced: hosts
+    differ by 2x; CI's own limit is the whole run's)."""
+    if not _spent:
+        return
+    terminalreporter.section("tiers (test time, setup to teardown, against tests/tiers.toml)")
+    for tier in TIERS:
+        if tier in _spent:
+            budget = BUDGETS.get(tier)
+            over = "  OVER BUDGET" if budget is not None and _spent[tier] > budget else ""
+            terminalreporter.write_line(f"{tier:8} {len(_counted[tier]):5} tests  {_spent[tier]:8.1f} s"
+                                        f" of {budget or 0:6.0f} s{over}")
 
 
 # ---- README.md and docs/ --------------------------------------------------------------------

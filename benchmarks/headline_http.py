@@ -364,6 +364,8 @@ def main() -> None:
                     help="seconds of quiet before each measurement, so that one server's threads stop spinning "
                          "before the other's run (default 1)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model directory (default: the default model; the tests' twin runs a tiny one)")
     args = ap.parse_args()
     args.context, args.batches, args.prefill_sizes = 2048, [1, 4, 16], [512, 2048]
     if args.quick:
@@ -380,7 +382,7 @@ def main() -> None:
     from server.kv.family import family_digest
     from server.models.loader import default_model_dir
 
-    model_dir = default_model_dir()
+    model_dir = args.model or default_model_dir()
     contexts = Contexts(model_dir)
     py, vinfo = (None, "skipped: --skip-vllm") if args.skip_vllm else vllm_python(args.vllm_python)
     if py is None:
@@ -418,7 +420,7 @@ def main() -> None:
             launched.append(("vllm", url, {"vllm": [("base", None)] * 3}))
         port, keys = free_port(), ["k0", "k1", "k2"]
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--threads", str(len(cores)),
-               "--dtype", args.dtype, "--kv-cache", "3GiB"]
+               "--dtype", args.dtype, "--kv-cache", "3GiB", "--model", str(model_dir)]
         cmd += [a for name, d in modules.items() for a in ("--module", f"{name}={d}")]
         cmd += [a for k in keys for a in ("--api-key", k)]
         url = f"http://127.0.0.1:{port}"

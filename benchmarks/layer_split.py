@@ -102,9 +102,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument("--model", type=Path, default=None, help="a model directory (default: the default model)")
     a = p.parse_args()
     threads = set_threads(a.threads)
-    model_dir = default_model_dir()
+    model_dir = a.model or default_model_dir()
     family = family_digest(model_dir, kv_dtype=a.dtype)
     ks = [int(x) for x in a.ks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +116,7 @@ def main() -> None:
             modules |= {f"k{k}": d, f"k{k}-private": private}
         core = load_engine(model_dir, modules=modules, dtype=a.dtype,
                            config=EngineConfig(kv_cache_bytes=1 << 30, max_prefill_step_tokens=2048))
-        print(f"default model, {a.dtype}, {threads} threads, context {a.context} tokens, medians of {a.reps}")
+        print(f"{'default model' if a.model is None else model_dir.name}, {a.dtype}, {threads} threads, context {a.context} tokens, medians of {a.reps}")
         run(core, ks[:1], context=256, reps=1, vocab=core.forward.weights.shape.vocab_size, quiet=True)  # warm-up
         rows = run(core, ks, context=a.context, reps=a.reps, vocab=core.forward.weights.shape.vocab_size)
     if a.json:

@@ -80,9 +80,9 @@ def default_model_dir(*, root: Path | None = None, progress: bool = True) -> Pat
     """Directory of the default model, converting its GGUF there on first use.
 
     The first call converts (~20 s); later calls return the cached directory at once. (So this
-    example runs with ``-m slow``.)
+    example runs in the ``model`` test tier.)
 
-    >>> d = default_model_dir()                 # doctest: +SLOW
+    >>> d = default_model_dir()                 # doctest: +MODEL
     >>> sorted(p.name for p in d.iterdir())[:2]
     ['agentshare-conversion.json', 'chat_template.jinja']
     """

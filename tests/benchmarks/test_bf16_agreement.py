@@ -1,4 +1,4 @@
-"""bf16 agreement held: benchmarks/bf16_agreement.py on the default model, 4 prompts x 16 tokens
+"""bf16 agreement held: benchmarks/bf16_agreement.py on the default model (tier bench), 4 prompts x 16 tokens
 (not 64: each token costs every arm a decode step), against the recorded run in
 benchmarks/recorded/bf16_agreement.json, over the same prompts and the same first tokens."""
 
@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from server.models.loader import default_model_dir
 from tests.benchmarks.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,8 +31,8 @@ def bench():
 
 
 @pytest.fixture(scope="module")
-def measured(bench) -> list[dict]:
-    cores = bench.engines(default_model_dir(progress=False))
+def measured(bench, default_model: Path) -> list[dict]:
+    cores = bench.engines(default_model)
     return bench.run(cores, bench.prompts(cores["bfloat16"].tokenizer, PROMPTS), TOKENS, quiet=True)
 
 
@@ -57,12 +56,24 @@ def test_the_checks_catch_a_worse_run(bench) -> None:
     assert any("shared~cold: top-1" in w for w in found) and any("shared~cold: greedy" in w for w in found)
 
 
-def test_every_arm_is_served_as_it_claims(measured) -> None:
+def served_as_claimed(measured: list[dict], tokens: int) -> None:
     for r in measured:
         for setting in r["settings"].values():
             for m in setting.values():  # shared: the context's full blocks came from the pool
                 assert m["cached"]["shared"] >= r["context_tokens"] // 16 * 16 > 0 and m["cached"]["cold"] == 0
-                assert len(m["shared"]) == len(m["cold"]) == TOKENS
+                assert len(m["shared"]) == len(m["cold"]) == tokens
+
+
+def test_every_arm_is_served_as_it_claims(measured) -> None:
+    served_as_claimed(measured, TOKENS)
+
+
+def test_twin_on_the_tiny_model(bench, tiny_model_dir: Path) -> None:
+    """The same script, every arm, on the tiny model (the default tier): 2 prompts x 4 tokens."""
+    cores = bench.engines(tiny_model_dir)
+    measured = bench.run(cores, bench.prompts(cores["bfloat16"].tokenizer, 2), 4, quiet=True)
+    served_as_claimed(measured, 4)
+    assert set(bench.summarize(measured, 4)) >= {"batch3"}
 
 
 def test_sharing_disagrees_with_cold_no_more_than_cold_bf16_with_fp32(bench, measured) -> None:

@@ -1,5 +1,6 @@
-"""benchmarks/headline_http.py end to end on the default model (slow): it launches the real
-server, runs every agentshare arm over HTTP and records what each request read from cache."""
+"""benchmarks/headline_http.py end to end, quick and without vLLM: it launches the real server,
+runs every agentshare arm over HTTP and records what each request read from cache. On the default
+model (tier bench) and on the tiny model (its twin, the default tier)."""
 
 import json
 import subprocess
@@ -11,13 +12,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_quick_headline_runs_every_arm_and_sharing_shows_in_the_cached_tokens(tmp_path: Path) -> None:
+def quick_headline(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "headline.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "headline_http.py"), "--quick", "--skip-vllm",
-                    "--json", str(out)], cwd=ROOT, check=True, timeout=840)
-    result = json.loads(out.read_text())
+                    "--json", str(out), *args], cwd=ROOT, check=True, timeout=840)
+    return json.loads(out.read_text())
+
+
+def check(result: dict) -> None:
     assert result["versions"]["vllm_skipped"]
     ours = result["servers"]["agentshare"]
     context = result["config"]["context"]
@@ -29,3 +31,13 @@ def test_the_quick_headline_runs_every_arm_and_sharing_shows_in_the_cached_token
         assert cached == ([0, 0, 0] if arm == "lora_private" else [0, context, context]), (arm, cached)
     assert all(v["tok_s"] > 0 for v in ours["prefill"].values())
     assert set(ours["decode"]) == {"1", "4"}
+
+
+@pytest.mark.timeout(900)
+def test_the_quick_headline_runs_every_arm_and_sharing_shows_in_the_cached_tokens(tmp_path: Path, default_model: Path) -> None:
+    check(quick_headline(tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_twin_on_the_tiny_model(tmp_path: Path, tiny_model_dir: Path) -> None:
+    check(quick_headline(tmp_path, "--model", str(tiny_model_dir), "--dtype", "float32", "--settle", "0"))

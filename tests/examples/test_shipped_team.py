@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from server.kv.family import base_families, family_digest
-from server.models.loader import default_model_dir
 from server.models.patch import read_patch
 from server.modules.manifest import Manifest
 from server.modules.registry import ModuleLoadError, identify
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def team():
+def team(default_model: Path):
     spec = importlib.util.spec_from_file_location("train_team", ROOT / "examples" / "train_team.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -62,15 +61,14 @@ def test_a_shipped_module_holds_its_recorded_accuracy(team, family: str, agent: 
     assert flips <= 2, (got["accuracy"], want["accuracy"])
 
 
-def test_a_shipped_module_on_the_default_model_instead_of_its_base_is_refused(team) -> None:
+def test_a_shipped_module_on_the_default_model_instead_of_its_base_is_refused(team, default_model: Path) -> None:
     """The default model has the team base's shapes but not its weights: the modules' updates
     would load and run there, on weights they were not trained for. Refused, naming the base."""
-    default = default_model_dir()
     ours = base_families(team.team_base())
     for agent in ("retrieval", "planning", "coding"):
         assert identify(MODULES / agent, name=agent, family=family_digest(team.team_base(), kv_dtype="float32"),
                         base_families=ours).reason.startswith("manifest names family")  # bf16 KV: served privately
         with pytest.raises(ModuleLoadError, match=f"module '{agent}': a LoRA adapter for another base model "
                                                   r"\(trained on .*patched-.*examples/modules/team-base"):
-            identify(MODULES / agent, name=agent, family=family_digest(default, kv_dtype="bfloat16"),
-                     base_families=base_families(default))
+            identify(MODULES / agent, name=agent, family=family_digest(default_model, kv_dtype="bfloat16"),
+                     base_families=base_families(default_model))

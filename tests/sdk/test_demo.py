@@ -1,5 +1,5 @@
 """The three-agent demo runs end to end: on the tiny model by default, on the real default model
-(what `scripts/demo` runs) with -m slow."""
+(what `scripts/demo` runs) in the model tier."""
 
 from __future__ import annotations
 
@@ -40,9 +40,8 @@ def test_demo_on_the_tiny_model(tiny_model_dir: Path) -> None:
     assert "answers identical with and without sharing: yes." in out  # fp32: sharing changes nothing
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(660)
-def test_demo_on_the_default_model() -> None:
+def test_demo_on_the_default_model(default_model: Path) -> None:
     out = run_demo("--max-tokens", "16", "--dtype", "bfloat16", timeout=600)
     check(out)
     assert "base model: " + str(ROOT / "examples" / "modules" / "team-base") in out  # the shipped team's base

@@ -108,7 +108,6 @@ def test_a_not_started_client_is_launched_by_a_sync_call(tiny_model_dir: Path) -
     assert gone(pid)
 
 
-@pytest.mark.slow
 def test_no_server_given_launches_one_and_close_stops_it(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.sdk.test_launch import gone
 

@@ -38,7 +38,7 @@ def capital_of(country: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def team_server() -> Iterator[str]:
+def team_server(default_model: Path) -> Iterator[str]:
     """The shipped team's base in bf16 (the coding module's family) with the shipped coding module."""
     server = LocalServer(["--model", str(TEAM_BASE), "--dtype", "bfloat16",
                           "--kv-cache", "128MiB", "--threads", "2", "--log-level", "warning",

@@ -105,6 +105,13 @@ def cluster(agent_modules, worker_config, tmp_path_factory) -> Iterator[Running]
             raise
 
 
+@pytest.fixture
+def fault_cluster(cluster: Running) -> Running:
+    """The session's cluster, for a test that kills and restarts its workers in real time: such a
+    test is in the ``faults`` tier (conftest.py's ``tier_of``), and leaves every worker up again."""
+    return cluster
+
+
 @contextlib.contextmanager
 def start_cluster(
     specs: list[WorkerSpec], config: ServerConfig, log_dir: Path, *, router_args: tuple[str, ...] = (),

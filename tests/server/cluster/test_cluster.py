@@ -180,47 +180,47 @@ def test_an_offloaded_generation_reports_its_route_and_transfer_in_its_timeline(
     assert "agentshare_kv_transfer_time_seconds_count{codec=" in metrics
 
 
-def test_a_decode_worker_killed_is_skipped_and_rejoins_when_back(cluster: Running):
-    cluster.workers.kill(2)  # the planner's only worker
-    r = httpx.post(f"{cluster.url}/v1/chat/completions", headers=bearer(), timeout=60, json={
+def test_a_decode_worker_killed_is_skipped_and_rejoins_when_back(fault_cluster: Running):
+    fault_cluster.workers.kill(2)  # the planner's only worker
+    r = httpx.post(f"{fault_cluster.url}/v1/chat/completions", headers=bearer(), timeout=60, json={
         "model": "planner", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]})
     assert r.status_code == 503, r.text
     assert "planner" in r.json()["error"]["message"]
-    assert chat(cluster.url, "coder", fresh("Still serving. " + DOC))["choices"][0]["finish_reason"] in ("stop", "length")
-    assert not cluster.cluster()["workers"][2]["alive"]
-    cluster.workers.restart(2)
-    cluster.workers.wait_ready()
-    _until(lambda: cluster.cluster()["workers"][2]["alive"], "the restarted decode worker rejoins")
-    assert chat(cluster.url, "planner", fresh(DOC))["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chat(fault_cluster.url, "coder", fresh("Still serving. " + DOC))["choices"][0]["finish_reason"] in ("stop", "length")
+    assert not fault_cluster.cluster()["workers"][2]["alive"]
+    fault_cluster.workers.restart(2)
+    fault_cluster.workers.wait_ready()
+    _until(lambda: fault_cluster.cluster()["workers"][2]["alive"], "the restarted decode worker rejoins")
+    assert chat(fault_cluster.url, "planner", fresh(DOC))["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 @pytest.mark.parametrize(("fault", "check"), [
     ("kill_after_chunks=1", "killed"),
     ("corrupt_chunk=0", "corrupt"),
 ])
-def test_a_failing_prefill_worker_loses_no_request(cluster: Running, colocated: str, fault: str, check: str):
+def test_a_failing_prefill_worker_loses_no_request(fault_cluster: Running, colocated: str, fault: str, check: str):
     """The prefill worker dies right after its first chunk, or sends a corrupted one: the
     request completes (the decode worker prefills what is missing) with the colocated output."""
-    cluster.workers.kill(0)
-    cluster.workers.restart(0, env={"AGENTSHARE_FAULT": fault})
-    cluster.workers.wait_ready()
-    _until(lambda: cluster.cluster()["workers"][0]["alive"], "the prefill worker rejoins")
+    fault_cluster.workers.kill(0)
+    fault_cluster.workers.restart(0, env={"AGENTSHARE_FAULT": fault})
+    fault_cluster.workers.wait_ready()
+    _until(lambda: fault_cluster.cluster()["workers"][0]["alive"], "the prefill worker rejoins")
     doc = fresh(f"Fault case {check}. " + DOC)  # new from the first block: the whole prefix moves
-    before = cluster.stats()
-    got = chat(cluster.url, "coder", doc)
+    before = fault_cluster.stats()
+    got = chat(fault_cluster.url, "coder", doc)
     want = chat(colocated, "coder", doc)
     assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
-    d = httpx.get(f"{cluster.workers.urls[1]}/internal/stats", headers=cluster.internal, timeout=10).json()
+    d = httpx.get(f"{fault_cluster.workers.urls[1]}/internal/stats", headers=fault_cluster.internal, timeout=10).json()
     assert d["transfers_failed"] > before[1]["transfers_failed"]
     assert d["imported_blocks"] - before[1]["imported_blocks"] <= 2  # at most the first chunk was kept
     if check == "killed":
-        assert cluster.workers.returncode(0) == 17
+        assert fault_cluster.workers.returncode(0) == 17
     else:
         assert d["checksum_failures"] > before[1]["checksum_failures"]
-    cluster.workers.kill(0)
-    cluster.workers.restart(0, env={})
-    cluster.workers.wait_ready()
-    _until(lambda: cluster.cluster()["workers"][0]["alive"], "the prefill worker rejoins")
+    fault_cluster.workers.kill(0)
+    fault_cluster.workers.restart(0, env={})
+    fault_cluster.workers.wait_ready()
+    _until(lambda: fault_cluster.cluster()["workers"][0]["alive"], "the prefill worker rejoins")
 
 
 def _until(cond, what: str, timeout: float = 30.0) -> None:

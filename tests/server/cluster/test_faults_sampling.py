@@ -81,18 +81,18 @@ def test_penalties_cross_the_router_to_the_decode_worker(cluster: Running):
 
 
 @pytest.mark.timeout(240)  # a worker is killed and restarted (about 25 s on a loaded machine)
-def test_router_health_is_degraded_while_an_agent_has_no_decode_worker_up(cluster: Running):
-    until(lambda: health(cluster.url)["running"] == 0, "the previous test's requests end")
-    h = health(cluster.url)
+def test_router_health_is_degraded_while_an_agent_has_no_decode_worker_up(fault_cluster: Running):
+    until(lambda: health(fault_cluster.url)["running"] == 0, "the previous test's requests end")
+    h = health(fault_cluster.url)
     assert (h["status"], h["reasons"]) == ("ok", [])
-    cluster.workers.kill(2)  # the planner's only decode worker ("base" is on worker 1 too)
+    fault_cluster.workers.kill(2)  # the planner's only decode worker ("base" is on worker 1 too)
     try:
-        until(lambda: health(cluster.url)["status"] == "degraded", "the router reports degraded")
-        assert health(cluster.url)["reasons"] == ["no decode worker serving agent 'planner' is up"]
-        r, _ = post(cluster.url, {**ISSUE_14, "model": "coder"})
+        until(lambda: health(fault_cluster.url)["status"] == "degraded", "the router reports degraded")
+        assert health(fault_cluster.url)["reasons"] == ["no decode worker serving agent 'planner' is up"]
+        r, _ = post(fault_cluster.url, {**ISSUE_14, "model": "coder"})
         assert r.status_code == 200, r.text  # the other agents are still served
     finally:
-        cluster.workers.restart(2)
-        cluster.workers.wait_ready()
-    until(lambda: health(cluster.url)["status"] == "ok", "the restarted worker rejoins")
-    assert health(cluster.url)["reasons"] == []
+        fault_cluster.workers.restart(2)
+        fault_cluster.workers.wait_ready()
+    until(lambda: health(fault_cluster.url)["status"] == "ok", "the restarted worker rejoins")
+    assert health(fault_cluster.url)["reasons"] == []

@@ -1,5 +1,6 @@
 """The fused elementwise kernels: which steps use them, that they compute what the eager ops do,
-and (slow: a real AOTInductor build) their packages built by the low-priority builder."""
+and (tier model: a real AOTInductor build, for the default model's shape) their packages built
+by the low-priority builder."""
 
 from __future__ import annotations
 
@@ -91,11 +92,11 @@ def test_no_second_builder_starts_while_one_holds_the_lock(tiny_model_dir, tmp_p
     assert slot.get() is None and slot.get() is None  # looked once, not again before poll_s
 
 
-@pytest.mark.slow
-def test_a_real_build_loads_and_equals_the_eager_forward(tiny_model_dir, tmp_path):
-    """The low-priority builder compiles the four regions (AOTInductor, rows dynamic); the slot
-    loads them once there; prefill-sized steps of any length then give the eager logits."""
-    fwd = _forward(tiny_model_dir)
+def test_a_real_build_loads_and_equals_the_eager_forward(default_model, tmp_path):
+    """The low-priority builder compiles the four regions (AOTInductor, rows dynamic) for the
+    default model (what a first serving process on a machine builds); the slot loads them once
+    there; prefill-sized steps of any length then give the eager logits."""
+    fwd = _forward(default_model)
     spec = KernelSpec.of(fwd.weights)
     proc = start_build(spec, tmp_path)
     assert proc is not None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from server import paths
+from server.kv.family import family_digest
 from server.models import loader
 from server.models.loader import (
     ModelLoadError,
@@ -70,11 +71,13 @@ def test_a_finished_conversion_is_reused(tmp_path: Path, monkeypatch: pytest.Mon
     assert default_model_dir(root=tmp_path, progress=False) == first and len(calls) == 1
 
 
-@pytest.mark.slow
-def test_gguf_conversion_of_the_default_model(tmp_path: Path) -> None:
-    """Full conversion (~20 s): safetensors + tokenizer + template; tied; sensible greedy text."""
+def test_gguf_conversion_of_the_default_model(tmp_path: Path, default_model: Path) -> None:
+    """Full conversion (~20 s): safetensors + tokenizer + template; tied; sensible greedy text;
+    the same files as the cached conversion every other test serves."""
     path = default_model_dir(root=tmp_path, progress=False)
     files = {p.name for p in path.iterdir()}
+    assert files == {p.name for p in default_model.iterdir()}
+    assert (path / "config.json").read_text() == (default_model / "config.json").read_text()
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
     assert json.loads((path / "agentshare-conversion.json").read_text())["sha256"]
     m = load_model(path)
@@ -91,7 +94,7 @@ def test_gguf_conversion_of_the_default_model(tmp_path: Path) -> None:
     assert "Paris" in m.tokenizer.decode(out[0, ids.shape[1]:])
 
 
-def test_a_conversion_joins_the_shipped_modules_family_whatever_the_environment(tmp_path: Path) -> None:
+def test_a_conversion_joins_the_shipped_modules_family_whatever_the_environment(tmp_path: Path, default_model: Path) -> None:
     """The family digest covers the converted tokenizer config, where transformers records
     whether it loaded offline. A user's first conversion, without ``HF_HUB_OFFLINE`` (which the
     project's scripts set), must give the family the shipped team's base patch applies to, or the
@@ -110,4 +113,4 @@ def test_a_conversion_joins_the_shipped_modules_family_whatever_the_environment(
             "print(family_digest(default_model_dir(root=Path(sys.argv[1]), progress=False), kv_dtype='float32'))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=300, check=True)
-    assert out.stdout.split()[-1] == shipped
+    assert out.stdout.split()[-1] == shipped == family_digest(default_model, kv_dtype="float32")

@@ -30,7 +30,6 @@ def test_sim_hit_count_equals_pool_replay_on_a_trace_prefix() -> None:
     assert sim == ideal > 0
 
 
-@pytest.mark.slow
 def test_whole_trace_is_fast_and_hits_the_ideal_ratio() -> None:
     ideal, sim, wall = hit_blocks_one_worker(None)
     assert sim == ideal
