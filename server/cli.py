@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -397,6 +398,26 @@ def _otel(on: bool) -> None:
     """``--otel``: tracing on here and in the worker processes started from here (their environment)."""
     if on:
         os.environ["AGENTSHARE_OTEL"] = "1"
+
+
+@app.command()
+def kernels(
+    fetch: Annotated[bool, typer.Option(help="fetch vLLM's CPU ops where they would serve and are missing")] = True,
+) -> None:
+    """Fetch vLLM's compiled CPU ops (decode matmul, attention and elementwise kernels) on a CPU that
+    runs them (AVX512-BF16), without the vllm package, then say which kernels the engine uses."""
+    from server.engine import vllm_attention, vllm_elementwise, vllm_matmul, vllm_ops
+
+    if fetch and vllm_ops.cpu_can_run() and importlib.util.find_spec("vllm") is None:
+        try:
+            vllm_ops.fetch(progress=typer.echo)
+        except RuntimeError as exc:
+            typer.echo(f"not fetched: {exc}\nthe engine serves without them (slower decode steps)", err=True)
+            raise typer.Exit(1) from None
+    for name, status in (("decode linears (vLLM's oneDNN matmul)", vllm_matmul.status()),
+                         ("decode attention (vLLM's kernel)", vllm_attention.status()),
+                         ("decode elementwise ops (vLLM's)", vllm_elementwise.status())):
+        typer.echo(f"{name}: {status}")
 
 
 @app.command("cluster-secret")
