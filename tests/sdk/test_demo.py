@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,14 @@ def check(out: str) -> None:
     # layers over the shared report: those positions are counted apart)
     assert off > 2.5 * (on - split_on)
     assert "DESIGN" not in out and "§" not in out  # the closing line cites nothing outside the repository
+    # nothing cold is timed: a warm-up of each arm, then the arms alternating, every repetition shown
+    assert "one untimed repetition of each arm, then 3 of each, alternating:" in out
+    timed = [line.split(":")[0] for line in out.splitlines() if re.match(r"  sharing o(n|ff): +[0-9.]+ s \(", line)]
+    assert timed == ["  sharing on", "  sharing off"] * 4
+    reps = out.split("each repetition, in the order run")[1].splitlines()[0].split()
+    assert len(reps) == 6 and all(float(x) > 0 for x in reps)
+    assert "wall time, s, median of 3" in out and "measured on " in out
+    assert "before the timed runs, not in them: model " in out and "server start " in out
 
 
 def test_demo_on_the_tiny_model(tiny_model_dir: Path) -> None:
@@ -80,3 +89,33 @@ def test_the_demo_scores_a_trained_team_on_episodes(tiny_model_dir: Path, tmp_pa
     assert 0 < saved < 100
     recomputed = int(table.split("sharing on: ")[1].split()[0].replace(",", ""))
     assert recomputed > 0  # the split agents filled their prefix from the pinned context
+
+
+def test_the_demo_builds_the_fused_kernels_before_anything_is_timed(tiny_model_dir: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare() runs the kernels' builder for the served model's shape and dtype, in the
+    foreground, before the server starts, and reports its time as a first-run cost; once they are
+    built (or with AGENTSHARE_FUSED=off) it builds nothing. The build itself is tested for real in
+    tests/server/engine/test_elementwise.py (tier model)."""
+    import json
+
+    from server.engine import elementwise
+
+    monkeypatch.syspath_prepend(str(DEMO.parent))
+    monkeypatch.setenv("AGENTSHARE_CACHE_DIR", str(tmp_path))
+    import three_agents
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(three_agents.subprocess, "run", lambda cmd, check: ran.append(cmd))
+    monkeypatch.setenv("AGENTSHARE_FUSED", "auto")
+    costs = three_agents.prepare(str(tiny_model_dir), "float32")
+    (cmd,) = ran
+    assert cmd[1:5] == ["-m", "server.engine.elementwise", "build", "--spec"]
+    assert json.loads(cmd[5]) == {"hidden": 256, "heads": 6, "head_dim": 64, "qkv_width": 512, "intermediate": 512,
+                                  "eps": pytest.approx(1e-5), "dtype": "float32"}
+    assert set(costs) == {"model", "fused kernels"}
+    monkeypatch.setattr(elementwise, "load", lambda spec: object())  # built: nothing to do
+    assert set(three_agents.prepare(str(tiny_model_dir), "float32")) == {"model"} and len(ran) == 1
+    monkeypatch.setenv("AGENTSHARE_FUSED", "off")
+    monkeypatch.setattr(elementwise, "load", lambda spec: None)
+    assert set(three_agents.prepare(str(tiny_model_dir), "float32")) == {"model"} and len(ran) == 1

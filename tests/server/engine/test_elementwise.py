@@ -12,7 +12,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 

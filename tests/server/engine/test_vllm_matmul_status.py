@@ -14,7 +14,6 @@ from server.engine import vllm_attention, vllm_elementwise, vllm_matmul, vllm_op
 from server.engine.forward import LlamaForward
 from server.engine.weights import Linear, can_pack, pack_linear
 
-
 NO_OPS = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None or vllm_ops.fetched_library() is not None,
                             reason="vLLM's CPU ops are here (the vllm package, or fetched by agentshare kernels)")
 
