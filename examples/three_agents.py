@@ -174,11 +174,11 @@ def machine(url: str | None, dtype: str, first_run: dict[str, float]) -> str:
     run on it cost before anything was timed."""
     if url:
         return f"measured on the server at {url}"
-    from server.engine.numerics import cpu_bf16, cpu_model
+    from server.engine.numerics import cpu_bf16, cpu_model, dtype_name, resolve_dtype
 
     costs = ", ".join(f"{k} {v:.1f} s" for k, v in first_run.items())
     return (f"measured on {cpu_model()} (bf16 instructions: {cpu_bf16()}), {os.cpu_count()} logical cores, "
-            f"dtype {dtype}\nbefore the timed runs, not in them: {costs}")
+            f"{dtype_name(resolve_dtype(dtype))}\nbefore the timed runs, not in them: {costs}")
 
 
 def _mean_ttft(r: ForkResult) -> float:
