@@ -250,29 +250,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     items[:] = [*others[:first], *blocks, *others[first:]]
 
 
-_spent: dict[str, float] = defaultdict(float)
-_counted: dict[str, set[str]] = defaultdict(set)
+class TierClock:
+    """Adds up each tier's test time (setup, call and teardown) and prints it against its budget
+    in tests/tiers.toml at the end of a run (said, not enforced: hosts differ by 2x; CI's own limit
+    is the whole run's)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+        self.tests: dict[str, set[str]] = defaultdict(set)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        tier = dict(report.user_properties).get("tier")
+        if isinstance(tier, str):
+            self.spent[tier] += report.duration
+            self.tests[tier].add(report.nodeid)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.spent:
+            return
+        terminalreporter.section("tiers (test time, setup to teardown, against tests/tiers.toml)")
+        for tier in TIERS:
+            if tier in self.spent:
+                budget = BUDGETS[tier]
+                over = "  OVER BUDGET" if self.spent[tier] > budget else ""
+                terminalreporter.write_line(f"{tier:8} {len(self.tests[tier]):5} tests  {self.spent[tier]:8.1f} s"
+                                            f" of {budget:6.0f} s{over}")
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    tier = dict(report.user_properties).get("tier")
-    if tier is not None:
-        _spent[tier] += report.duration  # setup, call and teardown
-        _counted[tier].add(report.nodeid)
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Each tier's test time against its budget in tests/tiers.toml (said, not enforced: hosts
-    differ by 2x; CI's own limit is the whole run's)."""
-    if not _spent:
-        return
-    terminalreporter.section("tiers (test time, setup to teardown, against tests/tiers.toml)")
-    for tier in TIERS:
-        if tier in _spent:
-            budget = BUDGETS.get(tier)
-            over = "  OVER BUDGET" if budget is not None and _spent[tier] > budget else ""
-            terminalreporter.write_line(f"{tier:8} {len(_counted[tier]):5} tests  {_spent[tier]:8.1f} s"
-                                        f" of {budget or 0:6.0f} s{over}")
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(TierClock(), "agentshare-tier-clock")
 
 
 # ---- README.md and docs/ --------------------------------------------------------------------
