@@ -59,7 +59,8 @@ class ModelRunner:
         self.forward, self.kv, self.block_size, self.stats = forward, kv, block_size, stats
         self.device = forward.weights.device  # the step's index tensors go there; logits come back to the host
         # decode steps of at most this many requests carry their whole sequences, for vLLM's kernel
-        self.whole_sequences = vllm_attention.MAX_ROWS if vllm_attention.serves(forward.weights.dtype, self.device) else 0
+        serves = vllm_attention.serves(forward.weights.dtype, self.device, forward.weights.shape.head_dim)
+        self.whole_sequences = vllm_attention.MAX_ROWS if serves else 0
         self.module_index: dict[str, int] = {}  # LoRA module -> its row id in a step's deltas
         self.lora = LoraBank()  # every LoRA module's deltas, stacked per set of modules in a step
         self.graphs: DecodeGraphs | None = None  # the base call's decode steps from CUDA graphs

@@ -91,9 +91,16 @@ def extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: t
     return out.view(t, hkv, g, d)
 
 
-def serves(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """True if decode steps of this dtype on this device go through the kernel."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and status() == "on"
+HEAD_DIM_MULTIPLE = 32
+"""The kernels take heads whose size is a multiple of 32 (they transpose by 512-bit rows) and
+refuse others at the first call ("invalid head_size")."""
+
+
+def serves(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
+    """True if decode steps of this dtype on this device, with heads of ``head_dim``, go through
+    the kernel."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and head_dim % HEAD_DIM_MULTIPLE == 0
+            and status() == "on")
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: WholeSequences,

@@ -28,8 +28,9 @@ BLOCK = 16
 
 def test_it_is_on_where_the_vllm_package_is() -> None:
     assert vllm_attention.status() == "on", vllm_attention.status()
-    assert vllm_attention.serves(torch.bfloat16, "cpu")
-    assert not vllm_attention.serves(torch.float32, "cpu")  # fp32 (the oracle tests) keeps the cascade
+    assert vllm_attention.serves(torch.bfloat16, "cpu", 64)
+    assert not vllm_attention.serves(torch.float32, "cpu", 64)  # fp32 (the oracle tests) keeps the cascade
+    assert not vllm_attention.serves(torch.bfloat16, "cpu", 16)  # the kernels refuse heads of 16 at the first call
 
 
 def _decode_step(rows: int, hkv: int = 3, g: int = 3, d: int = 64, prefix_len: int = 300):

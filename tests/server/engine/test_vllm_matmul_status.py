@@ -48,14 +48,14 @@ def test_the_decode_attention_kernel_can_be_turned_off_and_then_serves_no_step(f
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTSHARE_VLLM_ATTENTION", "off")
     assert vllm_attention.status() == "off (AGENTSHARE_VLLM_ATTENTION)"
-    assert not vllm_attention.serves(torch.bfloat16, "cpu")
+    assert not vllm_attention.serves(torch.bfloat16, "cpu", 64)
 
 
 @NO_OPS
 def test_without_the_vllm_package_decode_steps_keep_the_cascade(fresh_status) -> None:
     said = vllm_attention.status()
     assert said.startswith("off:") and ("neither the vllm package" in said or "AVX512-BF16" in said), said
-    assert not vllm_attention.serves(torch.bfloat16, "cpu")
+    assert not vllm_attention.serves(torch.bfloat16, "cpu", 64)
 
 
 @NO_OPS
@@ -66,3 +66,10 @@ def test_without_the_vllm_package_decode_steps_keep_torchs_elementwise_ops(fresh
     assert said.startswith("off:") and ("neither the vllm package" in said or "AVX512-BF16" in said), said
     fwd = LlamaForward.from_hf(AutoModelForCausalLM.from_pretrained(tiny_model_dir), dtype=torch.bfloat16)
     assert fwd.small is None and not vllm_elementwise.serves(fwd.weights)
+
+
+def test_heads_the_kernels_refuse_keep_the_cascade() -> None:
+    """vLLM's attention kernels take head sizes in multiples of 32 and refuse others at their first
+    call ("invalid head_size 16"): such a model's decode steps keep the cascade, library or not."""
+    for head_dim in (16, 48, 80):
+        assert not vllm_attention.serves(torch.bfloat16, "cpu", head_dim)
