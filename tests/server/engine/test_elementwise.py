@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -91,6 +92,7 @@ def test_no_second_builder_starts_while_one_holds_the_lock(tiny_model_dir, tmp_p
     assert slot.get() is None and slot.get() is None  # looked once, not again before poll_s
 
 
+@pytest.mark.timeout(600)  # a real AOTInductor build of four regions: 46-60 s on a 2-core host, beside other tests
 def test_a_real_build_loads_and_equals_the_eager_forward(default_model, tmp_path):
     """The low-priority builder compiles the four regions (AOTInductor, rows dynamic) for the
     default model (what a first serving process on a machine builds); the slot loads them once
