@@ -227,6 +227,14 @@ def tier_of(item: pytest.Item) -> str:
     return "default"
 
 
+def xdist_group(item: pytest.Item) -> str:
+    """Which items one pytest-xdist worker runs together (scripts/test runs ``--dist loadgroup``):
+    a file's items (its module fixtures start once; a document's blocks run in order), and every
+    cluster test (they share one cluster of processes, the session's costliest fixture)."""
+    path = Path(str(item.path)).resolve().relative_to(ROOT).as_posix()
+    return "tests/server/cluster" if path.startswith("tests/server/cluster/") else path
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     for item in items:  # marked before -m deselects
@@ -234,6 +242,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
         item.user_properties.append(("tier", tier))
         if tier != "default":
             item.add_marker(getattr(pytest.mark, tier))
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     yield
     # A document's blocks run together and in order, as a notebook's cells, even in a shuffled run
     # (pytest-randomly shuffles them with the doctests, as items of no module): put them back so,
