@@ -294,7 +294,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # Each document runs in order in one namespace, as a notebook (sybil). Its blocks find the tiny
 # model, a module and a server under their fixture names (used by invisible setup blocks), and
 # `AsyncClient()` launches the tiny model (AGENTSHARE_MODEL). README.md runs as written: on the
-# default model, so with -m slow (it converts the model on first use, then runs three agents).
+# default model, so in the model tier (it converts the model on first use, then runs three agents).
 
 
 @pytest.fixture(scope="module")
