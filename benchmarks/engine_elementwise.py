@@ -44,7 +44,8 @@ class _Fixed(LlamaForward):
 def decode(arms: dict[str, LlamaForward], ids: torch.Tensor, rows: int, steps: int, reps: int) -> dict[str, object]:
     n = ids.numel()
     prefix_blocks, own_blocks = n // BLOCK + 1, -(-steps // BLOCK)
-    whole = vllm_attention.MAX_ROWS if vllm_attention.serves(torch.bfloat16, "cpu") else 0
+    head_dim = next(iter(arms.values())).weights.shape.head_dim
+    whole = vllm_attention.MAX_ROWS if vllm_attention.serves(torch.bfloat16, "cpu", head_dim) else 0
     forced = torch.randint(100, 40000, (steps, rows), generator=torch.Generator().manual_seed(1))
 
     def arm(fwd: LlamaForward) -> Callable[[], list[torch.Tensor]]:
