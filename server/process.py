@@ -10,17 +10,31 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import random
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import httpx
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the caller binds it soon after)."""
+    """A TCP port free on ``host`` right now (the caller binds it soon after), drawn below the
+    kernel's ephemeral range where there is room: the kernel hands ephemeral ports to every
+    outgoing connection and every bind to port 0, so one picked there can be taken before the
+    caller binds it (seen: a server that bound its port a minute after choosing it, while vLLM
+    started)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(10000, low), min(20, max(0, low - 10000))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, contextlib.suppress(OSError):
+            s.bind((host, port))
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
