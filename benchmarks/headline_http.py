@@ -150,14 +150,15 @@ async def streamed(client: httpx.AsyncClient, body: JSON, key: str | None) -> tu
     return first, time.perf_counter(), tokens
 
 
-async def decode_rate(client: httpx.AsyncClient, contexts: Contexts, b: int, ctx: int, key: str | None) -> JSON:
+async def decode_rate(client: httpx.AsyncClient, contexts: Contexts, b: int, ctx: int, key: str | None,
+                      tokens: int = OUT_TOKENS) -> JSON:
     context = contexts.take(ctx)
     await chat(client, request("base", context, "Read the code above.", 1), key)  # warm the context
-    bodies = [request("base", context, f"Question {i + 1}: {INSTRUCTIONS[i % 3]}", OUT_TOKENS, stream=True)
+    bodies = [request("base", context, f"Question {i + 1}: {INSTRUCTIONS[i % 3]}", tokens, stream=True)
               for i in range(b)]
     res = await asyncio.gather(*(streamed(client, body, key) for body in bodies))
     span = max(t for _, t, _ in res) - max(f for f, _, _ in res)
-    return {"tok_s": b * (OUT_TOKENS - 1) / span, "span_s": span, "completion_tokens": [n for _, _, n in res]}
+    return {"tok_s": b * (tokens - 1) / span, "span_s": span, "completion_tokens": [n for _, _, n in res]}
 
 
 def med(runs: list[JSON], key: str) -> float:
@@ -208,7 +209,7 @@ async def bench(servers: list[Server], contexts: Contexts, args: argparse.Namesp
         for rep in range(args.reps):
             for s in in_turn(servers, rep):
                 await asyncio.sleep(args.settle)
-                run = await decode_rate(s.client, contexts, b, args.context, s.key)
+                run = await decode_rate(s.client, contexts, b, args.context, s.key, args.out_tokens)
                 s.out["decode"].setdefault(b, {"runs": []})["runs"].append(run)
         for s in servers:
             s.out["decode"][b]["tok_s"] = med(s.out["decode"][b]["runs"], "tok_s")
@@ -217,7 +218,7 @@ async def bench(servers: list[Server], contexts: Contexts, args: argparse.Namesp
     for rep in range(args.reps):
         for s, arm in in_turn(arms, rep):
             await asyncio.sleep(args.settle)
-            run = await together(s.client, s.arms[arm], contexts.take(args.context)) | {"rep": rep}
+            run = await together(s.client, s.arms[arm], contexts.take(args.context), args.out_tokens) | {"rep": rep}
             s.out["headline"][arm].append(run)
             print(f"  {s.name}: rep {rep} {arm}: {run['wall_s']:.2f} s, cached {run['cached_tokens']}")
         for s in servers:
@@ -227,7 +228,7 @@ async def bench(servers: list[Server], contexts: Contexts, args: argparse.Namesp
                 t0 = time.perf_counter()
                 await chat(s.client, request("base", context, INSTRUCTIONS[0], 1), s.key)
                 s.out["P"].append(time.perf_counter() - t0)
-                d = await together(s.client, s.arms["lora_shared"], context)
+                d = await together(s.client, s.arms["lora_shared"], context, args.out_tokens)
                 s.out["D"].append(d["wall_s"])
                 print(f"  {s.name}: rep {rep} P {s.out['P'][-1]:.2f} s, D {d['wall_s']:.2f} s, "
                       f"cached {d['cached_tokens']}")
@@ -331,7 +332,7 @@ def vllm_cache_lines(log: Path) -> list[str]:
 def report(res: JSON, n_agents: int) -> None:
     h = res["headline"]
     ref = h["arms"].get("vllm", {}).get("median_s")
-    print(f"\nheadline: {n_agents} agents, {res['config']['context']}-token context, {OUT_TOKENS} tokens each, "
+    print(f"\nheadline: {n_agents} agents, {res['config']['context']}-token context, {res['config']['out_tokens']} tokens each, "
           f"{res['config']['reps']} reps, cores {res['machine']['cores_used']}")
     print(f"{'arm':<14}{'median s':>10}  {'runs':<26}{'time / vllm':>12}  {'rep by rep (median)':<24}")
     for arm, a in h["arms"].items():
@@ -364,6 +365,8 @@ def main() -> None:
                     help="seconds of quiet before each measurement, so that one server's threads stop spinning "
                          "before the other's run (default 1)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--out-tokens", type=int, default=OUT_TOKENS,
+                    help=f"tokens each request generates (default {OUT_TOKENS}; the tests' twin asks fewer)")
     ap.add_argument("--model", type=Path, default=None,
                     help="a model directory (default: the default model; the tests' twin runs a tiny one)")
     args = ap.parse_args()
@@ -395,7 +398,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
                      "vllm": vinfo.split()[0] if py else None, "vllm_torch": vinfo.split()[-1] if py else None,
                      "vllm_skipped": None if py else vinfo},
-        "config": {"interleaved": True, "settle_s": args.settle, "agents": 3, "context": args.context, "out_tokens": OUT_TOKENS, "reps": args.reps,
+        "config": {"interleaved": True, "settle_s": args.settle, "agents": 3, "context": args.context, "out_tokens": args.out_tokens, "reps": args.reps,
                    "dtype": args.dtype, "batches": args.batches, "prefill_sizes": args.prefill_sizes,
                    "quick": args.quick, "model_dir": str(model_dir), "logs": str(log_dir)},
         "servers": {},
