@@ -319,6 +319,9 @@ class _OpenAISampling(_Sampling):
     n: int | None = Field(None, ge=1, le=MAX_N)
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
+    cache_salt: Text | None = Field(None, min_length=1)
+    """vLLM's extension: requests with different salts never share prefix-cache blocks (on top of
+    the API key's tenant), e.g. to serve each agent from a cache of its own."""
 
     @model_validator(mode="after")
     def _seed_fits_every_choice(self) -> _OpenAISampling:

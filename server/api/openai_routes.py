@@ -48,6 +48,7 @@ from server.api.generation import (
 from server.api.openai_render import Choices, TokenText, finish_of
 from server.api.prompts import chat_request_prompt, completion_prompts
 from server.api.sse import DONE, event_stream, prime, sse, sse_error
+from server.api.tenancy import salted
 from server.api.tools import (
     active_tools,
     constraint_of,
@@ -80,7 +81,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     params = SamplingParams.from_spec(spec, default_max_tokens=state.config.default_max_tokens)
     n, rid = body.n or 1, new_id("chatcmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream, prompt_tokens=len(prompt.token_ids))
-    events = stream_choices(state.backend, state.metrics, rid, card.name, [prompt], params, n=n, salt=who.salt)
+    events = stream_choices(state.backend, state.metrics, rid, card.name, [prompt], params, n=n,
+                           salt=salted(who.salt, body.cache_salt))
     head = {"id": rid, "created": int(time.time()), "model": card.name, "system_fingerprint": state.fingerprint}
     tt = TokenText(state.facts.tokenizer) if body.logprobs else None
     if body.stream:
@@ -159,7 +161,8 @@ async def completions(body: CompletionRequest, request: Request, who: Caller) ->
     rid = new_id("cmpl")
     note(request, request_id=rid, agent=card.name, n=n, stream=body.stream,
          prompt_tokens=sum(len(p.token_ids) for p in prompts))
-    events = stream_choices(state.backend, state.metrics, rid, card.name, prompts, params, n=n, salt=who.salt,
+    events = stream_choices(state.backend, state.metrics, rid, card.name, prompts, params, n=n,
+                           salt=salted(who.salt, body.cache_salt),
                             prompt_param="prompt")
     head = {"id": rid, "created": int(time.time()), "model": card.name, "system_fingerprint": state.fingerprint}
     tt = TokenText(state.facts.tokenizer) if body.logprobs is not None else None

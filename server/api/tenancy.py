@@ -58,6 +58,18 @@ class Tenancy:
         raise _unauthorized("invalid API key")
 
 
+def salted(salt: str, cache_salt: str | None) -> str:
+    """The cache salt of a request that carries vLLM's ``cache_salt`` field: its tenant's salt
+    further divided, so requests with different values never share KV blocks, even in one tenant.
+
+    >>> salted("", None), salted("", "a") == salted("", "a"), salted("", "a") != salted("t", "a")
+    ('', True, True)
+    """
+    if cache_salt is None:
+        return salt
+    return hashlib.sha256(f"agentshare-cache-salt\x00{salt}\x00{cache_salt}".encode()).hexdigest()[:32]
+
+
 def _tenant_of(key: str) -> Tenant:
     digest = hashlib.sha256(b"agentshare-tenant\x00" + key.encode()).hexdigest()
     return Tenant(salt=digest[:32], label=digest[:8])

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from server.api.errors import ApiError
-from server.api.tenancy import Tenancy, Tenant
+from server.api.tenancy import Tenancy, Tenant, salted
 
 MESSAGES = [{"role": "user", "content": "Tenant document. " + "secret ledger line. " * 20},
             {"role": "user", "content": "Total?"}]
@@ -97,3 +97,34 @@ def test_contexts_belong_to_their_tenant(url: str) -> None:
     again = httpx.post(url + "/v1/contexts", json={"text": doc}, headers=beta).json()
     assert again["cached_tokens"] == 0  # beta prefilled its own copy
     assert httpx.get(url + f"/v1/contexts/{ctx['id']}", headers=alpha).status_code == 200
+
+
+def test_salted_divides_a_tenant_by_cache_salt() -> None:
+    assert salted("t", None) == "t"  # no cache_salt: the tenant's own salt
+    assert salted("t", "a") == salted("t", "a") != salted("t", "b")
+    assert salted("t", "a") != salted("u", "a") and salted("t", "a") not in ("t", "a", "")
+    digest = hashlib.sha256(b"agentshare-cache-salt\x00t\x00a").hexdigest()[:32]
+    assert salted("t", "a") == digest  # part of the contract: every router and worker derives it alike
+
+
+def test_cache_salt_keeps_requests_of_one_tenant_apart(url: str) -> None:
+    # vLLM's cache_salt field: the same tenant, the same prompt, different salts share no block
+    # (a system message of its own: no earlier test's template block in common)
+    messages = [{"role": "system", "content": "Salted document. " + "ledger line of the salted case. " * 20},
+                {"role": "user", "content": "Total?"}]
+
+    def cached_with(salt: str | None) -> int:
+        body = {"model": "coder", "messages": messages, "max_tokens": 2, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer alpha-key"})
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached_with("agent-a") == 0
+    assert cached_with("agent-a") > 0  # one salt hits its own cache
+    assert cached_with("agent-b") == 0  # another salt never does
+    assert cached_with(None) == 0  # nor does the unsalted tenant
+    r = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer alpha-key"},
+                   json={"model": "coder", "messages": messages, "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code in (400, 422) and "cache_salt" in r.text
