@@ -9,6 +9,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -418,6 +419,120 @@ def kernels(
                          ("decode attention (vLLM's kernel)", vllm_attention.status()),
                          ("decode elementwise ops (vLLM's)", vllm_elementwise.status())):
         typer.echo(f"{name}: {status}")
+
+
+@app.command()
+def bench(
+    url: str = typer.Option("http://127.0.0.1:8000", help="the server's root: an OpenAI-compatible endpoint "
+                            "(agentshare in either engine, vLLM, another)"),
+    workload: str = typer.Option("react", help="react, reflexion, burst or trace:FILE (a Mooncake-format trace)"),
+    agents: str | None = typer.Option(None, help="served model names, comma-separated: the K agents (default: "
+                                      "every model /v1/models lists; one model alone stands for 3 agents)"),
+    rate: str | None = typer.Option(None, help="open loop: sessions arriving per second (Poisson); a "
+                                    "comma-separated list sweeps them"),
+    concurrency: str | None = typer.Option(None, help="closed loop: sessions at once (default 2 without "
+                                           "--rate); a comma-separated list sweeps them"),
+    duration: float = typer.Option(60.0, help="seconds in which sessions start, per load (those started run "
+                                   "to their end)"),
+    max_sessions: int | None = typer.Option(None, min=1, help="sessions per load, at most"),
+    max_requests: int | None = typer.Option(None, min=1, help="requests per load, at most"),
+    seed: int = typer.Option(0, help="draws the sessions' texts, lengths and think times, and the arrivals"),
+    warmup: int = typer.Option(1, min=0, help="sessions run one by one before each load, not counted"),
+    steps: int | None = typer.Option(None, min=1, help="react: steps (3); reflexion: trials (2)"),
+    context: str | None = typer.Option(None, help="tokens of each session's context, LOW-HIGH "
+                                       "(react, reflexion: 500-1000; burst: 2048)"),
+    tool: str = typer.Option("32-96", help="react: tokens of each tool result, LOW-HIGH"),
+    think: str = typer.Option("0.5-2", help="seconds between a session's steps, LOW-HIGH"),
+    output_tokens: int = typer.Option(32, min=1, help="tokens every request decodes (max_tokens, ignore_eos)"),
+    block_tokens: int = typer.Option(16, help="trace: tokens per 512-token hash id (16 or 32)"),
+    trace_limit: int | None = typer.Option(None, min=1, help="trace: its first N records only"),
+    tokenizer: Path | None = typer.Option(None, help="the served model's tokenizer (a directory), to size the "
+                                          "texts (default: SmolLM2-135M-Instruct's)"),
+    slo: str | None = typer.Option(None, help="goodput's SLOs in ms, e.g. ttft:2000,tpot:200 (ttft, tpot, e2el)"),
+    api_key: str | None = typer.Option(None, envvar="AGENTSHARE_API_KEY", help="sent as a Bearer token"),
+    salt_per_agent: bool = typer.Option(False, help="each agent's requests under a cache_salt of its own: "
+                                        "sharing off, as vLLM and SGLang key adapters"),
+    request_timeout: float = typer.Option(600.0, help="seconds a request may take; beyond, it counts as failed"),
+    label: str | None = typer.Option(None, help="the arm's name in the result and the plot (default: the URL)"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the result (every figure, the host, the "
+                                         "command) to this file"),
+    plot: Path | None = typer.Option(None, help="draw p95 TTFT and throughput against the offered rate here "
+                                     "(.png, .svg; the bench extra)"),
+    progress: bool = typer.Option(True, help="a progress bar per load"),
+) -> None:
+    """Drive agent sessions against a server at a load or a sweep of loads; report TTFT, TPOT, ITL,
+    E2E, sessions, goodput, the cache hit ratio and the server's counters (docs/bench.md)."""
+    import asyncio
+    import json
+
+    from server.bench import Load, Options
+    from server.bench import bench as run_bench
+    from server.bench.metrics import parse_slo
+    from server.bench.report import jsonable, table
+    from server.bench.report import plot as draw
+    from server.bench.run import served_models
+    from server.bench.text import Corpus
+    from server.bench.workloads import make_workload, parse_range
+
+    def numbers(text: str, what: str, kind: type) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"{what}: a number or a comma-separated list, got {text!r}") from None
+
+    if rate is not None and concurrency is not None:
+        raise typer.BadParameter("give --rate (open loop) or --concurrency (closed loop), not both")
+    try:
+        loads = ([Load(rate=r) for r in numbers(rate, "--rate", float)] if rate is not None
+                 else [Load(concurrency=c) for c in numbers(concurrency or "2", "--concurrency", int)])
+        context_range = parse_range(context, "--context") if context else None
+        tool_range, think_range = parse_range(tool, "--tool"), parse_range(think, "--think")
+        goals = parse_slo(slo)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if not loads:
+        raise typer.BadParameter("--rate or --concurrency: give at least one value")
+    root = url.rstrip("/")
+    try:
+        names = ([a.strip() for a in agents.split(",") if a.strip()] if agents
+                 else asyncio.run(served_models(root, api_key)))
+    except RuntimeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if len(names) == 1 and not agents:
+        names *= 3
+    from transformers import AutoTokenizer
+
+    from server.models.loader import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(tokenizer or default_model_dir())
+    try:
+        work = make_workload(workload, Corpus(tok), names, steps=steps, context=context_range,
+                             tool=tool_range, think=think_range, output_tokens=output_tokens,
+                             block_tokens=block_tokens, limit=trace_limit)
+    except (ValueError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    opts = Options(duration_s=duration, max_sessions=max_sessions, max_requests=max_requests, seed=seed,
+                   warmup=warmup, request_timeout_s=request_timeout, api_key=api_key,
+                   salt_per_agent=salt_per_agent, progress=progress)
+    try:
+        result = asyncio.run(run_bench(root, work, loads, opts, slo=goals, label=label,
+                                       command=["agentshare", *sys.argv[1:]]))
+    except RuntimeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{work.name} with agents {', '.join(names)} against {root} on {result['host']['cpu']}")
+    typer.echo(table(result))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(jsonable(result), indent=2))
+        typer.echo(f"wrote {json_out}")
+    if plot is not None:
+        try:
+            typer.echo(f"wrote {draw({result['label']: result}, plot)}")
+        except RuntimeError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
 
 
 @app.command("cluster-secret")
