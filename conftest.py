@@ -44,6 +44,7 @@ from _pytest.doctest import DoctestItem
 from sybil import Sybil
 from sybil.integration.pytest import SybilItem
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
+from xdist.scheduler import LoadScopeScheduling
 
 from tests import smollm2
 from tests.notebook import LOOP, CellEvaluator, doctest_names, top_level_await
@@ -227,12 +228,35 @@ def tier_of(item: pytest.Item) -> str:
     return "default"
 
 
-def xdist_group(item: pytest.Item) -> str:
-    """Which items one pytest-xdist worker runs together (scripts/test runs ``--dist loadgroup``):
-    a file's items (its module fixtures start once; a document's blocks run in order), and every
-    cluster test (they share one cluster of processes, the session's costliest fixture)."""
-    path = Path(str(item.path)).resolve().relative_to(ROOT).as_posix()
-    return "tests/server/cluster" if path.startswith("tests/server/cluster/") else path
+def xdist_scope(nodeid: str) -> str:
+    """Which tests one pytest-xdist worker runs together, in collection order (scripts/test runs
+    ``--dist loadgroup``, scheduled by :class:`ScopeScheduling`): a document's blocks (they run in
+    order in one namespace, as a notebook's cells), and every cluster test (they share one cluster
+    of processes, the session's costliest fixture); any other test on its own, dealt to whichever
+    worker is free (measured on the default tier, 2 cores: 345 s against 417 s with a file to a
+    worker; the module fixtures some files then start on both workers cost less than the wait).
+    From the node id alone, as xdist's controller sees a test."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/server/cluster/"):
+        return "tests/server/cluster"
+    return path if path.endswith(".md") else nodeid
+
+
+class ScopeScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling (whole scopes to a worker, a scope's tests in collection order, the
+    largest scopes first) on :func:`xdist_scope`. Not xdist's own loadgroup: it groups by the
+    ``xdist_group`` mark, which it writes into ``item._nodeid``; pytest 9.2 (installed here) no
+    longer reads that (a node id is ``Node._id``), so every test was a scope of its own and a
+    document's blocks went to both workers (NameError in docs/sdk.md and docs/walkthrough.md:
+    their first blocks had run on the other worker)."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return xdist_scope(nodeid)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> ScopeScheduling | None:
+    return ScopeScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -242,7 +266,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
         item.user_properties.append(("tier", tier))
         if tier != "default":
             item.add_marker(getattr(pytest.mark, tier))
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
     yield
     # A document's blocks run together and in order, as a notebook's cells, even in a shuffled run
     # (pytest-randomly shuffles them with the doctests, as items of no module): put them back so,
