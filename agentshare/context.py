@@ -17,8 +17,8 @@ prompt tokens were cached vs computed.
 >>> async with await client.context("Spec: square(x) returns x * x.") as ctx:
 ...     team = await ctx.fork([Agent("planner", instruction="Plan it."),
 ...                            (Agent("coder", module="coder"), "Write the function.")], max_tokens=8)
->>> [(answer.module, answer.usage.cached_tokens) for answer in team]  # a LoRA module reads the base's KV
-[('base', 32), ('coder', 32)]
+>>> [(answer.module, answer.usage.cached_tokens >= 32) for answer in team]  # a LoRA module reads the base's KV
+[('base', True), ('coder', True)]
 """
 
 from __future__ import annotations
