@@ -22,9 +22,9 @@ Every test gets its tier here, from where it lives and the fixtures it uses, nev
     default  everything else                          unit and tiny-model tests
 
 ``pytest`` alone runs the default tier (``addopts``); ``scripts/test`` runs default, model,
-faults and vllm (what CI runs), ``scripts/test --fast`` the default tier, ``--all`` every tier.
-A benchmark run at full size (bench) keeps a tiny-model twin of the same script in the default
-tier, in the same file.
+faults and vllm (what CI runs), ``scripts/test --fast`` the default tier (on two xdist workers:
+:class:`ScopeScheduling`), ``--all`` every tier. A benchmark run at full size (bench) keeps a
+tiny-model twin of the same script in the default tier, in the same file.
 """
 
 from __future__ import annotations
