@@ -22,7 +22,7 @@ session rate is at least 95 % of it and p95 TTFT does not grow from the first ha
 to the second. With ``--fractions``, a second phase runs every arm at those fractions of the
 ``private`` arm's capacity (the papers' comparison points).
 
-    python benchmarks/under_load.py --quick             # K=3, arms shared/private/base, 3 rates, ~13 min
+    python benchmarks/under_load.py --quick             # K=3, arms shared/private/base, 3 rates, 10 sessions each
     python benchmarks/under_load.py --json benchmarks/recorded/under_load.json --plot docs/img/under_load.png
     python benchmarks/under_load.py --arms shared,private,base,vllm-lora,vllm-base --vllm-python .venv-vllm/bin/python
     python benchmarks/under_load.py --model DIR --rates 1,2 --duration 4   # the tests' twin: a tiny model
@@ -44,7 +44,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("shared", "private", "base", "vllm-lora", "vllm-base", "agentshare-vllm")
-QUICK = dict(agents=3, arms="shared,private,base", rates="0.1,0.2,0.3", duration=45.0, context="500-1000",
+QUICK = dict(agents=3, arms="shared,private,base", rates="0.1,0.2,0.3", sessions=10, context="500-1000",
              steps=3, kv_budget="96MiB")
 
 
@@ -57,7 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rates", default="0.1,0.2,0.3", help="offered sessions per second, swept in order")
     ap.add_argument("--fractions", default="", help="then every arm at these fractions of the private arm's "
                     "capacity, e.g. 0.5,0.8,0.95")
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate (default: "
+                    "--sessions / rate, so every rate runs as many sessions)")
+    ap.add_argument("--sessions", type=int, default=12, help="sessions per rate (their arrivals span about "
+                    "sessions / rate seconds)")
     ap.add_argument("--context", default="500-1000", help="tokens of each session's context")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--think", default="0.5-2")
@@ -138,7 +141,9 @@ def run_arm(arm: str, args: argparse.Namespace, work_for: Any, rates: list[float
     with launch(arm, cmd, env, cores, log_dir / f"{arm}.log", url, timeout=900) as startup:
         out["startup_s"] = startup
         for rate in rates:
-            opts = Options(duration_s=args.duration, seed=seed_of[rate], warmup=1, request_timeout_s=600,
+            duration = args.duration if args.duration is not None else args.sessions / rate
+            opts = Options(duration_s=duration, max_sessions=args.sessions, seed=seed_of[rate], warmup=1,
+                           request_timeout_s=600,
                            salt_per_agent=arm == "private", progress=not args.no_progress)
             t0 = time.perf_counter()
             result = asyncio.run(bench(url, work, [Load(rate=rate)], opts, label=arm))
@@ -234,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
                            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                            "kv_budget_bytes": budget, "cores": cores, "model": str(model_dir), "vllm": vinfo,
                            "logs": str(log_dir), "arms": {}}
-    print(f"{len(args.arm_list)} arms, {args.agents} agents, rates {args.rate_list} sessions/s, {args.duration:g} s "
+    each = f"{args.duration:g} s" if args.duration is not None else f"{args.sessions} sessions"
+    print(f"{len(args.arm_list)} arms, {args.agents} agents, rates {args.rate_list} sessions/s, {each} "
           f"each, KV budget {budget / 2**20:.0f} MiB per arm, cores {cores}; logs in {log_dir}", flush=True)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, ExitStack():

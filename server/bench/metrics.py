@@ -12,9 +12,10 @@ measured phase to the last completion. Beyond vLLM's set:
 - the cache hit ratio: ``cached_tokens`` over prompt tokens, of the requests that reported it;
 - failures by kind (429, 5xx, 4xx, timeout, connection, stream): counted, never dropped;
 - short answers: requests that returned fewer tokens than asked (``ignore_eos`` not honoured);
-- steadiness, for capacity (:func:`sustained`): the session completion rate over the steady
-  window (from the first session's end to the last arrival) against the offered rate, and p95
-  TTFT of the requests sent in the first half of the arrivals against the second half.
+- steadiness, for capacity (:func:`sustained`): the rate sessions finished at ((n - 1) over the
+  span of their completions) against the rate they arrived at ((n - 1) over the span of their
+  arrivals), and p95 TTFT of the requests sent in the first half of the arrivals against the
+  second half.
 """
 
 from __future__ import annotations
@@ -140,14 +141,15 @@ def steadiness(ok: Sequence[RequestResult], sessions: Sequence[SessionResult], *
                offered_rate: float | None) -> dict[str, Any]:
     """The figures :func:`sustained` reads (see the module's docstring)."""
     out: dict[str, Any] = {"offered_session_rate": offered_rate, "last_arrival_s": last_arrival}
-    finished = sorted(s.end - t0 for s in sessions if s.ok)
-    if finished and last_arrival > finished[0]:
-        lo, hi = finished[0], last_arrival
-        out["steady_window_s"] = [lo, hi]
-        out["achieved_session_rate"] = sum(1 for e in finished if lo < e <= hi) / (hi - lo)
-    else:  # no session ended before the arrivals did: the whole run is the window
-        out["steady_window_s"] = None
-        out["achieved_session_rate"] = len(finished) / finished[-1] if finished and finished[-1] > 0 else None
+    starts = sorted(s.start for s in sessions)
+    ends = sorted(s.end for s in sessions if s.ok)
+    # sessions that arrived n over a span A came at (n - 1) / A per second; those that finished
+    # at (n - 1) / C, C their completions' span: equal when the server keeps up, whatever each
+    # session's own length, and lower when completions spread out behind a queue
+    arrival_span = starts[-1] - starts[0] if len(starts) > 1 else 0.0
+    completion_span = ends[-1] - ends[0] if len(ends) > 1 else 0.0
+    out["arrival_rate"] = (len(starts) - 1) / arrival_span if arrival_span > 0 else None
+    out["achieved_session_rate"] = (len(ends) - 1) / completion_span if completion_span > 0 else None
     mid = t0 + last_arrival / 2
     first = [r.ttft for r in ok if r.sent <= mid]
     second = [r.ttft for r in ok if r.sent > mid]
@@ -159,16 +161,18 @@ def steadiness(ok: Sequence[RequestResult], sessions: Sequence[SessionResult], *
 
 def sustained(summary: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether a run held its offered rate: no failed request, the achieved session rate at
-    least 95 % of the offered rate, and p95 TTFT not growing from the first half of the run to
-    the second (within :data:`GROWTH_TOLERANCE`). Returns the verdict and why."""
-    offered = summary.get("offered_session_rate")
-    if not offered:
+    least 95 % of the rate sessions arrived at (the offered rate, as this run's Poisson draws
+    gave it), and p95 TTFT not growing from the first half of the run to the second (within
+    :data:`GROWTH_TOLERANCE`). Returns the verdict and why."""
+    if not summary.get("offered_session_rate"):
         return False, "closed loop: no offered rate"
     if summary["failed"]:
         return False, f"{summary['failed']} requests failed"
-    achieved = summary.get("achieved_session_rate")
-    if achieved is None or achieved < 0.95 * offered:
-        return False, f"achieved {achieved or 0:.3f} sessions/s of {offered:.3f} offered"
+    offered, achieved = summary.get("arrival_rate"), summary.get("achieved_session_rate")
+    if offered is None or achieved is None:
+        return False, "fewer than two sessions arrived or finished: run longer"
+    if achieved < 0.95 * offered:
+        return False, f"achieved {achieved:.3f} sessions/s of {offered:.3f} offered"
     n1, n2 = summary["half_sizes"]
     if min(n1, n2) < MIN_HALF:
         return False, f"too few requests per half ({n1}, {n2}) to tell whether TTFT grows: run longer"

@@ -102,7 +102,7 @@ class Scheduler:
             ids = match.block_ids[:-1]
             match = PrefixMatch(match.keys, ids, tuple(b for b in match.pending if b in ids), bs)
         need = math.ceil(seq.capacity / bs) - len(match.block_ids)
-        if not self.pool.can_allocate(need):
+        if not self.pool.can_allocate(need, keeping=match.block_ids):  # its own cached blocks are not room
             return False
         self.pool.acquire(match, reader=seq.module.name)
         fresh = self.pool.allocate(need, contiguous=True)

@@ -292,9 +292,12 @@ class BlockPool:
 
     # ---- allocation ----------------------------------------------------------------------------
 
-    def can_allocate(self, n: int) -> bool:
+    def can_allocate(self, n: int, *, keeping: Iterable[int] = ()) -> bool:
+        """Whether ``n`` blocks can be allocated now; with ``keeping``, once those blocks are held
+        too (a match about to be acquired: its evictable blocks are no longer room)."""
         self.expire_pins()
-        return n <= len(self._free) + len(self._evictable)
+        kept = sum(1 for b in set(keeping) if b in self._evictable)
+        return n <= len(self._free) + len(self._evictable) - kept
 
     def allocate(self, n: int, *, contiguous: bool = False) -> list[int]:
         """``n`` private blocks, each held once. Evicts least recently used blocks if needed.

@@ -14,7 +14,7 @@ from server.engine.core import EngineConfig, EngineCore
 from server.engine.errors import InvalidRequest, PromptTooLong, UnknownModule
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import FinishReason
-from server.prompt import Placement, chat_prompt
+from server.prompt import Placement, Prompt, chat_prompt
 
 CONTEXT = [{"role": "user", "content": "Shared notes: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(40))}]
 FORCED = (1500, 2000, 300, 4242, 77, 9000)
@@ -315,6 +315,47 @@ def test_a_request_queued_behind_a_full_pool_reports_its_wait_in_its_timeline(ti
         assert (t.computed_tokens, t.reused_tokens) == (len(prompt.token_ids) - ev.usage.cached_tokens,
                                                          ev.usage.cached_tokens)
         assert (t.route, t.prefill, t.imported_tokens, t.transfer_bytes) == ("colocated", "local", 0, 0)
+
+
+def test_a_request_whose_cached_prefix_is_evictable_waits_for_room_rather_than_failing(tiny_model_dir, smollm2_tokenizer):
+    # Found under load (benchmarks/under_load.py): admission counted the evictable blocks of the
+    # request's own cached prefix as room for its fresh blocks; holding them took that room back,
+    # and the request failed with PoolExhausted instead of waiting for memory.
+    a = chat_prompt(smollm2_tokenizer, CONTEXT, turn("First."))
+    b = chat_prompt(smollm2_tokenizer, CONTEXT, turn("Second, and much longer: " + "say more. " * 12))
+    other = [{"role": "user", "content": "Other notes: " + " ".join(f"entry {i} reads {i * 5 % 11}." for i in range(40))}]
+    c = chat_prompt(smollm2_tokenizer, other, turn("Third."))
+    short, long_b, long_c = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 24, 40))
+    probe, _ = engine(tiny_model_dir)
+    bs = probe.config.block_size
+
+    def common(x: Prompt, y: Prompt) -> int:
+        return next(i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids, strict=False)) if p != q)
+
+    k = common(a, b) // bs  # the blocks b finds cached
+    with_c = common(a, c) // bs  # of them, the template's head, which c holds too
+    evictable = k - with_c  # a's own: evictable once a is done
+    held_c = math.ceil((len(c.token_ids) + 40) / bs)
+    fresh_b = math.ceil((len(b.token_ids) + 24) / bs) - k
+    # b fits once c is done; beside c, only if its own evictable prefix counted as room twice
+    capacity = held_c + evictable + fresh_b - 1
+    core, _ = engine(tiny_model_dir, kv_cache_bytes=probe.kv.bytes_per_block * capacity)
+    assert evictable >= 1 and core.pool.capacity == capacity
+    assert math.ceil((len(a.token_ids) + 1) / bs) - with_c + held_c <= capacity  # a and c run together
+    core.add_request("c", "base", c, long_c)
+    core.add_request("a", "base", a, short)
+    events: dict[str, list] = defaultdict(list)
+    while not any(e.finish_reason for e in events["a"]):
+        for e in core.step():
+            events[e.request_id].append(e)
+    assert not any(e.finish_reason for e in events["c"])  # c still holds its blocks
+    core.add_request("b", "base", b, long_b)
+    for rid, evs in drain(core).items():
+        events[rid] += evs
+    done = events["b"][-1]
+    assert done.error is None and done.finish_reason is FinishReason.LENGTH, done.error
+    assert len(tokens_of(events["b"])) == 24 and done.usage is not None and done.usage.cached_tokens == k * bs
+    assert done.timeline is not None and done.timeline.queue_s > 0  # it waited for c's blocks
 
 
 def test_a_prefill_is_chunked_while_others_decode_and_runs_whole_when_none_do(tiny_model_dir, smollm2_tokenizer):

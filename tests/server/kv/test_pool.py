@@ -123,6 +123,19 @@ def test_capacity_under_pressure_is_a_typed_error_that_changes_nothing():
     assert (u.free, u.held, u.evictable) == (0, 4, 0)
 
 
+def test_the_room_left_once_a_match_is_held_does_not_count_its_own_evictable_blocks():
+    pool = BlockPool(4, 16)
+    serve(pool, A)  # 2 evictable, 2 free
+    match = pool.match(A + [5] * 40, FAMILY)  # finds A's 2 blocks, misses 3
+    assert pool.can_allocate(3) and pool.can_allocate(2, keeping=match.block_ids)
+    assert not pool.can_allocate(3, keeping=match.block_ids)  # holding A takes 2 of the 4 blocks
+    assert pool.can_allocate(2, keeping=[*match.block_ids, *match.block_ids])  # a block counts once
+    pool.acquire(match, reader="x")
+    with pytest.raises(PoolExhausted):
+        pool.allocate(3)  # what the check above foresaw
+    assert len(pool.allocate(2)) == 2 and pool.can_allocate(0, keeping=match.block_ids)
+
+
 def test_pinned_blocks_are_not_evicted_until_unpinned(clock):
     pool = BlockPool(4, 16, clock=clock)
     _, held = serve(pool, A, release=False)
