@@ -22,7 +22,7 @@ session rate is at least 95 % of it and p95 TTFT does not grow from the first ha
 to the second. With ``--fractions``, a second phase runs every arm at those fractions of the
 ``private`` arm's capacity (the papers' comparison points).
 
-    python benchmarks/under_load.py --quick             # K=3, arms shared/private/base, 3 rates, 10 sessions each
+    python benchmarks/under_load.py --quick             # K=3, arms shared/private/base, 3 rates, 8 sessions each
     python benchmarks/under_load.py --json benchmarks/recorded/under_load.json --plot docs/img/under_load.png
     python benchmarks/under_load.py --arms shared,private,base,vllm-lora,vllm-base --vllm-python .venv-vllm/bin/python
     python benchmarks/under_load.py --model DIR --rates 1,2 --duration 4   # the tests' twin: a tiny model
@@ -44,8 +44,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("shared", "private", "base", "vllm-lora", "vllm-base", "agentshare-vllm")
-QUICK = dict(agents=3, arms="shared,private,base", rates="0.1,0.2,0.3", sessions=10, context="500-1000",
-             steps=3, kv_budget="96MiB")
+QUICK = dict(agents=3, arms="shared,private,base", rates="0.1,0.15,0.2", sessions=8, context="500-1000",
+             steps=3, kv_budget="192MiB")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--think", default="0.5-2")
     ap.add_argument("--output-tokens", type=int, default=32)
-    ap.add_argument("--kv-budget", default="96MiB", help="KV bytes per arm, over every pool and store it holds")
+    ap.add_argument("--kv-budget", default="192MiB", help="KV bytes per arm, over every pool and store it holds")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the torch-engine server "
                     "(default: the cores it may use)")
     ap.add_argument("--cores", help="cores every server runs on, e.g. 0-1 (default: all this process may use)")
@@ -132,6 +132,7 @@ def run_arm(arm: str, args: argparse.Namespace, work_for: Any, rates: list[float
     from headline_http import free_port, launch  # type: ignore[import-not-found]
 
     from server.bench import Load, Options, bench
+    from server.bench.report import profile
 
     port = free_port()
     cmd, env = server_command(arm, args, model_dir, modules, port, budget, vllm_py)
@@ -150,17 +151,21 @@ def run_arm(arm: str, args: argparse.Namespace, work_for: Any, rates: list[float
             run = result["runs"][0]
             out["runs"].append(run)
             out.setdefault("host", result["host"])
-            s = run["summary"]
+            s, p = run["summary"], profile(run)
             print(f"  {arm} at {rate:g} sessions/s ({time.perf_counter() - t0:.0f} s): "
                   f"{s['completed']}/{s['requests']} requests, p95 TTFT {s['p95_ttft_ms']:.0f} ms, "
                   f"{s['output_throughput']:.1f} tok/s, hit {100 * (s['cache_hit_ratio'] or 0):.0f}%, "
-                  f"{'held' if run['sustained'][0] else 'not held'}: {run['sustained'][1]}", flush=True)
+                  f"{'held' if run['sustained'][0] else 'not held'}: {run['sustained'][1]}\n"
+                  f"    profile: TTFT p50 {s['median_ttft_ms']:.0f} ms (queued {p['mean_queue_ms'] or 0:.0f} ms on "
+                  f"average), TPOT p50 {s['median_tpot_ms']:.0f} ms at {p['mean_running'] or 0:.1f} running, "
+                  f"prefill {p['prefill_computed_tokens'] or 0:.0f} tokens computed / "
+                  f"{p['prefill_cached_tokens'] or 0:.0f} cached, {p['evicted_blocks'] or 0:.0f} blocks evicted", flush=True)
     return out
 
 
 def compare(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Capacity per arm and the ratios the papers report, at every rate all arms ran."""
-    from server.bench.report import capacity
+    from server.bench.report import capacity, profile
 
     out: dict[str, Any] = {"capacity": {a: capacity(r["runs"]) for a, r in arms.items()}}
     cap = out["capacity"]
@@ -173,7 +178,7 @@ def compare(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
             per_rate.setdefault(run["load"]["session_rate"], {})[arm] = {
                 "p95_ttft_ms": s["p95_ttft_ms"], "p95_e2el_ms": s["p95_e2el_ms"], "p95_session_s": s["p95_session_s"],
                 "output_throughput": s["output_throughput"], "cache_hit_ratio": s["cache_hit_ratio"],
-                "failed": s["failed"], "sustained": run["sustained"][0]}
+                "failed": s["failed"], "sustained": run["sustained"][0], "profile": profile(run)}
     for fig in per_rate.values():
         ref = fig.get("shared", {}).get("p95_ttft_ms")
         for arm, f in fig.items():

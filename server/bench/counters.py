@@ -1,8 +1,9 @@
 """The server's own counters while a benchmark runs: its Prometheus ``/metrics``, sampled.
 
-Every gauge and counter of the ``agentshare_`` and ``vllm:`` families is kept (histograms are
-left out: the client times every request itself). A counter is reported as its growth over the
-run, a gauge as its mean and maximum over the samples. An endpoint without ``/metrics`` (or one
+Every gauge and counter of the ``agentshare_`` and ``vllm:`` families is kept, and of each
+histogram its ``_sum`` and ``_count`` (the client times every request itself, but only the server
+knows how long a request queued: their growth over the run gives the mean). A counter is reported
+as its growth over the run, a gauge as its mean and maximum over the samples. An endpoint without ``/metrics`` (or one
 that fails) is reported so, not guessed.
 """
 
@@ -20,28 +21,34 @@ PREFIXES = ("agentshare_", "vllm:")
 
 
 def parse(text: str) -> tuple[dict[str, float], set[str]]:
-    """The samples of kept families (``name{label="v",...}`` -> value) and which are counters.
+    """The samples of kept families (``name{label="v",...}`` -> value) and which are counters
+    (a histogram's ``_sum`` and ``_count`` among them).
 
     >>> values, counters = parse('# TYPE agentshare_kv_evictions_total counter\\n'
     ...                          'agentshare_kv_evictions_total 3.0\\n'
     ...                          '# TYPE vllm:num_requests_waiting gauge\\n'
     ...                          'vllm:num_requests_waiting{model_name="m"} 2.0\\n'
-    ...                          '# TYPE other_metric gauge\\nother_metric 1.0\\n')
-    >>> values, sorted(counters)
-    ({'agentshare_kv_evictions_total': 3.0, 'vllm:num_requests_waiting{model_name="m"}': 2.0}, ['agentshare_kv_evictions_total'])
+    ...                          '# TYPE other_metric gauge\\nother_metric 1.0\\n'
+    ...                          '# TYPE agentshare_queue_seconds histogram\\n'
+    ...                          'agentshare_queue_seconds_bucket{le="+Inf"} 2.0\\n'
+    ...                          'agentshare_queue_seconds_count 2.0\\nagentshare_queue_seconds_sum 0.5\\n')
+    >>> values
+    {'agentshare_kv_evictions_total': 3.0, 'vllm:num_requests_waiting{model_name="m"}': 2.0, 'agentshare_queue_seconds_count': 2.0, 'agentshare_queue_seconds_sum': 0.5}
+    >>> sorted(counters)
+    ['agentshare_kv_evictions_total', 'agentshare_queue_seconds_count', 'agentshare_queue_seconds_sum']
     """
     values: dict[str, float] = {}
     counters: set[str] = set()
     for family in text_string_to_metric_families(text):
-        if family.type not in ("counter", "gauge") or not family.name.startswith(PREFIXES):
+        if family.type not in ("counter", "gauge", "histogram") or not family.name.startswith(PREFIXES):
             continue
         for s in family.samples:
-            if s.name.endswith("_created"):
+            if s.name.endswith("_created") or (family.type == "histogram" and s.name.endswith("_bucket")):
                 continue
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             key = f"{s.name}{{{labels}}}" if labels else s.name
             values[key] = float(s.value)
-            if family.type == "counter":
+            if family.type in ("counter", "histogram"):
                 counters.add(key)
     return values, counters
 

@@ -33,6 +33,9 @@ SLO_METRICS = ("ttft", "tpot", "e2el")
 GROWTH_TOLERANCE = 1.25
 """p95 TTFT of the second half may be this much of the first half's and still count as not
 growing (two halves of a short run differ by noise alone)."""
+GROWTH_FLOOR_MS = 1000.0
+"""... and a growth below this many milliseconds does not count either: at a light load, p95 of a
+few dozen requests moves by hundreds of milliseconds with which prefills land in which half."""
 MIN_HALF = 10
 """Requests each half needs before the growth test means anything."""
 
@@ -163,7 +166,7 @@ def sustained(summary: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether a run held its offered rate: no failed request, the achieved session rate at
     least 95 % of the rate sessions arrived at (the offered rate, as this run's Poisson draws
     gave it), and p95 TTFT not growing from the first half of the run to the second (within
-    :data:`GROWTH_TOLERANCE`). Returns the verdict and why."""
+    :data:`GROWTH_TOLERANCE` or :data:`GROWTH_FLOOR_MS`). Returns the verdict and why."""
     if not summary.get("offered_session_rate"):
         return False, "closed loop: no offered rate"
     if summary["failed"]:
@@ -177,6 +180,6 @@ def sustained(summary: Mapping[str, Any]) -> tuple[bool, str]:
     if min(n1, n2) < MIN_HALF:
         return False, f"too few requests per half ({n1}, {n2}) to tell whether TTFT grows: run longer"
     a, b = summary["p95_ttft_first_half_ms"], summary["p95_ttft_second_half_ms"]
-    if b > GROWTH_TOLERANCE * a:
+    if b > GROWTH_TOLERANCE * a and b - a > GROWTH_FLOOR_MS:
         return False, f"p95 TTFT grew from {a:.0f} ms to {b:.0f} ms"
     return True, f"achieved {achieved:.3f} of {offered:.3f} sessions/s; p95 TTFT {a:.0f} -> {b:.0f} ms"

@@ -27,6 +27,42 @@ def capacity(runs: Sequence[Mapping[str, Any]]) -> float | None:
     return best
 
 
+def profile(run: Mapping[str, Any]) -> dict[str, Any]:
+    """Where a run's time went, from the client's figures and the server's counters (agentshare's
+    or vLLM's names): queueing, prefill (tokens computed against served from cache), decode
+    (TPOT, the batch), and eviction. Figures the server does not expose are None.
+
+    >>> run = {"summary": {"median_ttft_ms": 900.0, "median_tpot_ms": 40.0},
+    ...        "server": {"counters": {"agentshare_request_queue_time_seconds_sum": 6.0,
+    ...                                "agentshare_request_queue_time_seconds_count": 12.0,
+    ...                                "agentshare_kv_evictions_total": 7.0},
+    ...                   "gauges": {"agentshare_requests_running": {"mean": 3.5, "max": 6.0}}}}
+    >>> p = profile(run); p["mean_queue_ms"], p["evicted_blocks"], p["mean_running"], p["prefill_computed_tokens"]
+    (500.0, 7.0, 3.5, None)
+    """
+    c = run.get("server", {}).get("counters", {})
+    g = run.get("server", {}).get("gauges", {})
+
+    def first(d: Mapping[str, Any], *keys: str) -> Any:
+        return next((d[k] for k in keys if k in d), None)
+
+    q_sum = first(c, "agentshare_request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_sum")
+    q_n = first(c, "agentshare_request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count")
+    running = first(g, "agentshare_requests_running", "vllm:num_requests_running")
+    waiting = first(g, "agentshare_requests_waiting", "vllm:num_requests_waiting")
+    s = run.get("summary", {})
+    return {
+        "median_ttft_ms": s.get("median_ttft_ms"), "median_tpot_ms": s.get("median_tpot_ms"),
+        "mean_queue_ms": 1e3 * q_sum / q_n if q_sum is not None and q_n else None,
+        "prefill_computed_tokens": first(c, 'agentshare_prefill_tokens_total{source="computed"}'),
+        "prefill_cached_tokens": first(c, 'agentshare_prefill_tokens_total{source="cached"}'),
+        "evicted_blocks": first(c, "agentshare_kv_evictions_total"),
+        "preemptions": first(c, "vllm:num_preemptions_total"),
+        "mean_running": running["mean"] if running else None, "max_waiting": waiting["max"] if waiting else None,
+        "mean_kv_occupancy": (first(g, "agentshare_kv_occupancy", "vllm:kv_cache_usage_perc") or {}).get("mean"),
+    }
+
+
 def _f(x: Any, spec: str = ".0f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 

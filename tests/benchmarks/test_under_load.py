@@ -56,4 +56,4 @@ def test_the_arms_commands_share_one_kv_budget(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         ul.parse_args(["--arms", "shared,sglang"])
     quick = ul.parse_args(["--quick"])
-    assert (quick.arm_list, quick.rate_list, quick.agents) == (["shared", "private", "base"], [0.1, 0.2, 0.3], 3)
+    assert (quick.arm_list, quick.rate_list, quick.agents) == (["shared", "private", "base"], [0.1, 0.15, 0.2], 3)

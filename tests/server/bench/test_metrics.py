@@ -62,7 +62,10 @@ def test_steadiness_and_the_capacity_rule() -> None:
     assert not sustained(base | {"failed": 1})[0]
     assert "achieved" in sustained(base | {"achieved_session_rate": 1.04})[1]  # below 95 % of 1.1 arriving
     assert "run longer" in sustained(base | {"achieved_session_rate": None})[1]
-    assert "grew" in sustained(base | {"p95_ttft_second_half_ms": 126.0})[1]
+    assert sustained(base | {"p95_ttft_second_half_ms": 1099.0})[0]  # 11x, but by less than a second
+    grown = {"p95_ttft_first_half_ms": 2000.0, "p95_ttft_second_half_ms": 3100.0}
+    assert "grew" in sustained(base | grown)[1]  # 1.55x and 1.1 s
+    assert sustained(base | grown | {"p95_ttft_second_half_ms": 2400.0})[0]  # 1.2x
     assert "too few" in sustained(base | {"half_sizes": [9, 30]})[1]
     assert "closed loop" in sustained(base | {"offered_session_rate": None})[1]
     runs = [{"load": {"session_rate": r}, "sustained": [ok, ""]} for r, ok in ((0.5, True), (1.0, True), (2.0, False),
