@@ -143,7 +143,8 @@ def run_arm(arm: str, args: argparse.Namespace, work_for: Any, rates: list[float
         out["startup_s"] = startup
         for rate in rates:
             duration = args.duration if args.duration is not None else args.sessions / rate
-            opts = Options(duration_s=duration, max_sessions=args.sessions, seed=seed_of[rate], warmup=1,
+            opts = Options(duration_s=duration, max_sessions=args.sessions, seed=seed_of[rate],
+                           arrival_seed=args.seed, warmup=1,
                            request_timeout_s=600,
                            salt_per_agent=arm == "private", progress=not args.no_progress)
             t0 = time.perf_counter()
@@ -152,7 +153,8 @@ def run_arm(arm: str, args: argparse.Namespace, work_for: Any, rates: list[float
             out["runs"].append(run)
             out.setdefault("host", result["host"])
             s, p = run["summary"], profile(run)
-            print(f"  {arm} at {rate:g} sessions/s ({time.perf_counter() - t0:.0f} s): "
+            print(f"  {arm} at {rate:g} sessions/s (arrived at {s.get('arrival_rate') or 0:.3f}/s; "
+                  f"{time.perf_counter() - t0:.0f} s): "
                   f"{s['completed']}/{s['requests']} requests, p95 TTFT {s['p95_ttft_ms']:.0f} ms, "
                   f"{s['output_throughput']:.1f} tok/s, hit {100 * (s['cache_hit_ratio'] or 0):.0f}%, "
                   f"{'held' if run['sustained'][0] else 'not held'}: {run['sustained'][1]}\n"
@@ -176,7 +178,7 @@ def compare(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for run in r["runs"]:
             s = run["summary"]
             per_rate.setdefault(run["load"]["session_rate"], {})[arm] = {
-                "p95_ttft_ms": s["p95_ttft_ms"], "p95_e2el_ms": s["p95_e2el_ms"], "p95_session_s": s["p95_session_s"],
+                "arrival_rate": s.get("arrival_rate"), "p95_ttft_ms": s["p95_ttft_ms"], "p95_e2el_ms": s["p95_e2el_ms"], "p95_session_s": s["p95_session_s"],
                 "output_throughput": s["output_throughput"], "cache_hit_ratio": s["cache_hit_ratio"],
                 "failed": s["failed"], "sustained": run["sustained"][0], "profile": profile(run)}
     for fig in per_rate.values():

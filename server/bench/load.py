@@ -60,6 +60,10 @@ class Options:
     max_sessions: int | None = None
     max_requests: int | None = None
     seed: int = 0
+    """Draws the sessions (and the arrivals, unless ``arrival_seed`` is given)."""
+    arrival_seed: int | None = None
+    """Draws the arrival times alone: a sweep that gives each rate fresh sessions (another seed) keeps
+    one arrival process, scaled to each rate."""
     warmup: int = 1
     request_timeout_s: float = 600.0
     api_key: str | None = None
@@ -124,7 +128,9 @@ class _Driver:
 
 
 def arrivals(workload: Workload | None, rate: float, seed: int) -> Iterator[float]:
-    """Session start times (seconds from the start): a trace's own, scaled; else Poisson.
+    """Session start times (seconds from the start): a trace's own, scaled; else Poisson, one
+    unit-rate process per seed scaled by ``1 / rate`` (so the same seed at twice the rate brings
+    the same sessions in half the time).
 
     >>> from itertools import islice
     >>> times = list(islice(arrivals(None, 2.0, seed=0), 2000))
@@ -134,11 +140,11 @@ def arrivals(workload: Workload | None, rate: float, seed: int) -> Iterator[floa
     if isinstance(workload, Trace):
         yield from workload.arrivals(rate)
         return
-    rng = random.Random(f"agentshare-bench-arrivals:{seed}:{rate}")
-    t = 0.0
+    rng = random.Random(f"agentshare-bench-arrivals:{seed}")  # one unit-rate process, scaled: a sweep's
+    t = 0.0                                                    # rates keep their ratios, draw for draw
     while True:
         yield t
-        t += rng.expovariate(rate)
+        t += rng.expovariate(1.0) / rate
 
 
 async def run_load(url: str, workload: Workload, load: Load, opts: Options) -> LoadRun:
@@ -159,7 +165,8 @@ async def run_load(url: str, workload: Workload, load: Load, opts: Options) -> L
             last = 0.0
             tasks: list[asyncio.Task[None]] = []
             if load.rate is not None:
-                for count, at in enumerate(arrivals(workload, load.rate, opts.seed)):
+                for count, at in enumerate(arrivals(workload, load.rate, opts.seed if opts.arrival_seed is None
+                                                                    else opts.arrival_seed)):
                     if not d.admitting(count, at):
                         break
                     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))

@@ -12,15 +12,18 @@ measured phase to the last completion. Beyond vLLM's set:
 - the cache hit ratio: ``cached_tokens`` over prompt tokens, of the requests that reported it;
 - failures by kind (429, 5xx, 4xx, timeout, connection, stream): counted, never dropped;
 - short answers: requests that returned fewer tokens than asked (``ignore_eos`` not honoured);
-- steadiness, for capacity (:func:`sustained`): the rate sessions finished at ((n - 1) over the
-  span of their completions) against the rate they arrived at ((n - 1) over the span of their
-  arrivals), and p95 TTFT of the requests sent in the first half of the arrivals against the
-  second half.
+- steadiness, for capacity (:func:`sustained`): the rate sessions finished at against the rate
+  they arrived at ((n - 1) over the span of their arrivals): the arrival rate divided by the
+  slope of the sessions' ends on their starts (Theil-Sen: the median over every two sessions) (1 where the server keeps up,
+  whatever each session's own length; above 1 behind a queue), and p95 TTFT of the requests sent
+  in the first half of the arrivals against the second half.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -145,14 +148,16 @@ def steadiness(ok: Sequence[RequestResult], sessions: Sequence[SessionResult], *
     """The figures :func:`sustained` reads (see the module's docstring)."""
     out: dict[str, Any] = {"offered_session_rate": offered_rate, "last_arrival_s": last_arrival}
     starts = sorted(s.start for s in sessions)
-    ends = sorted(s.end for s in sessions if s.ok)
-    # sessions that arrived n over a span A came at (n - 1) / A per second; those that finished
-    # at (n - 1) / C, C their completions' span: equal when the server keeps up, whatever each
-    # session's own length, and lower when completions spread out behind a queue
+    done = [(s.start, s.end) for s in sessions if s.ok]
+    # n sessions arrived over a span A: (n - 1) / A per second. Where the server keeps up, each
+    # ends its own length after it began, whatever that length: the ends follow the starts with
+    # slope 1. Behind a queue, the ends spread out at the rate the server manages: the slope of
+    # ends on starts (Theil-Sen, so one long session moves it little) divides the rate.
     arrival_span = starts[-1] - starts[0] if len(starts) > 1 else 0.0
-    completion_span = ends[-1] - ends[0] if len(ends) > 1 else 0.0
     out["arrival_rate"] = (len(starts) - 1) / arrival_span if arrival_span > 0 else None
-    out["achieved_session_rate"] = (len(ends) - 1) / completion_span if completion_span > 0 else None
+    out["completion_slope"] = _slope(done) if len(done) > 2 else None
+    out["achieved_session_rate"] = (out["arrival_rate"] / out["completion_slope"]
+                                    if out["arrival_rate"] and out["completion_slope"] else None)
     mid = t0 + last_arrival / 2
     first = [r.ttft for r in ok if r.sent <= mid]
     second = [r.ttft for r in ok if r.sent > mid]
@@ -160,6 +165,12 @@ def steadiness(ok: Sequence[RequestResult], sessions: Sequence[SessionResult], *
     out["p95_ttft_second_half_ms"] = Distribution.of(second).p95 * 1e3
     out["half_sizes"] = [len(first), len(second)]
     return out
+
+
+def _slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """Theil-Sen: the median of the slopes between every two points (one outlier barely moves it)."""
+    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(points, 2) if x2 != x1]
+    return statistics.median(slopes) if slopes else None
 
 
 def sustained(summary: Mapping[str, Any]) -> tuple[bool, str]:

@@ -86,6 +86,10 @@ async def bench(url: str, workload: Workload, loads: Sequence[Load], opts: Optio
         summary = summarize(run.results, run.sessions, t0=run.t0, last_arrival=run.last_arrival, slo=slo,
                             offered_rate=load.rate)
         out["runs"].append({"load": load.describe(), "summary": summary, "sustained": list(sustained(summary)),
-                            "server": run.server})
+                            "server": run.server,
+                            # each measured session: start and end (seconds from the measured phase's
+                            # start) and whether it completed, for analyses after the run
+                            "sessions": [[round(x.start - run.t0, 3), round(x.end - run.t0, 3), x.ok]
+                                         for x in run.sessions if not x.warmup]})
     out["capacity"] = capacity(out["runs"])
     return out

@@ -44,6 +44,8 @@ def test_every_workload_runs_against_the_server(spec: str, load: Load, tiny_serv
     assert s["short_answers"] == 0 and s["median_ttft_ms"] > 0 and s["request_throughput"] > 0
     if spec in ("react", "reflexion"):  # agents of one session read its context from one prefill
         assert s["cache_hit_ratio"] > 0.3
+    sessions = result["runs"][0]["sessions"]
+    assert len(sessions) == s["sessions"] and all(0 <= start < end and ok for start, end, ok in sessions)
     server = result["runs"][0]["server"]
     assert server["counters"]['agentshare_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= s["completed"]
 
