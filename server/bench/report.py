@@ -33,7 +33,8 @@ def profile(run: Mapping[str, Any]) -> dict[str, Any]:
     (TPOT, the batch), and eviction. Figures the server does not expose are None.
 
     >>> run = {"summary": {"median_ttft_ms": 900.0, "median_tpot_ms": 40.0},
-    ...        "server": {"counters": {"agentshare_request_queue_time_seconds_sum": 6.0,
+    ...        "server": {"counters": {'agentshare_request_queue_time_seconds_sum{agent="a"}': 2.0,
+    ...                                'agentshare_request_queue_time_seconds_sum{agent="b"}': 4.0,
     ...                                "agentshare_request_queue_time_seconds_count": 12.0,
     ...                                "agentshare_kv_evictions_total": 7.0},
     ...                   "gauges": {"agentshare_requests_running": {"mean": 3.5, "max": 6.0}}}}
@@ -46,8 +47,16 @@ def profile(run: Mapping[str, Any]) -> dict[str, Any]:
     def first(d: Mapping[str, Any], *keys: str) -> Any:
         return next((d[k] for k in keys if k in d), None)
 
-    q_sum = first(c, "agentshare_request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_sum")
-    q_n = first(c, "agentshare_request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count")
+    def total(d: Mapping[str, Any], *names: str) -> Any:
+        """A metric summed over its labels (the first of ``names`` the server has)."""
+        for name in names:
+            hits = [v for k, v in d.items() if k == name or k.startswith(name + "{")]
+            if hits:
+                return sum(hits)
+        return None
+
+    q_sum = total(c, "agentshare_request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_sum")
+    q_n = total(c, "agentshare_request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count")
     running = first(g, "agentshare_requests_running", "vllm:num_requests_running")
     waiting = first(g, "agentshare_requests_waiting", "vllm:num_requests_waiting")
     s = run.get("summary", {})
