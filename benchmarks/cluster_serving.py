@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
 import os
@@ -67,6 +66,7 @@ except ImportError:
     from benchmarks.engine_sharing import make_loras
 
 from agentshare.local_server import free_port
+from server.bench.client import RequestResult, stream_chat
 from server.engine.numerics import dtype_name, resolve_dtype
 from server.kv.family import family_digest
 from server.models.loader import default_model_dir
@@ -174,42 +174,15 @@ class Result:
 
 
 async def chat(client: httpx.AsyncClient, url: str, task: Task, agent: int, out: int) -> Result:
-    body = {
-        "model": f"agent{agent}", "temperature": 0, "max_tokens": out, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True},
-        "messages": [{"role": "user", "content": task.context}, {"role": "user", "content": QUESTIONS[agent]}],
-    }
-    r = Result(task.index, f"agent{agent}", time.perf_counter())
-    stamps: list[float] = []
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    r.error = json.dumps(chunk["error"])[:300]
-                    break
-                if chunk.get("usage"):
-                    u = chunk["usage"]
-                    r.prompt_tokens, r.completion_tokens = u["prompt_tokens"], u["completion_tokens"]
-                    r.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
-                    stamps.append(time.perf_counter())
-    except httpx.HTTPError as exc:
-        r.error = f"{type(exc).__name__}: {exc}"
-    end = time.perf_counter()
-    if stamps:
-        r.ttft, r.e2e = stamps[0] - r.start, end - r.start
-        r.itl = [b - a for a, b in itertools.pairwise(stamps)]
-    elif r.error is None:
-        r.error = "no token in the stream"
+    """One agent's streamed request, timed by agentshare bench's client (server/bench/client.py)."""
+    body = {"model": f"agent{agent}", "temperature": 0, "max_tokens": out, "ignore_eos": True,
+            "messages": [{"role": "user", "content": task.context}, {"role": "user", "content": QUESTIONS[agent]}]}
+    s = await stream_chat(client, url, body, RequestResult(task.index, f"agent{agent}", 0, 0.0, out))
+    r = Result(task.index, s.agent, s.sent, prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens or 0,
+               completion_tokens=s.completion_tokens, error=s.error)
+    if s.first is not None:
+        r.ttft, r.itl = s.first - s.sent, s.itl
+        r.e2e = (s.done if s.done is not None else time.perf_counter()) - s.sent
     return r
 
 
