@@ -94,6 +94,7 @@ class _Driver:
         self.results: list[RequestResult] = []
         self.sessions: list[SessionResult] = []
         self.requests_sent = 0
+        self.failed = 0  # measured requests that failed, for the progress bar
         self.headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None
 
     def body(self, call: Call) -> dict[str, Any]:
@@ -112,9 +113,9 @@ class _Driver:
             self.results.extend(out)
             if self.bar is not None and not warmup:
                 self.bar.update(len(out))
-                failed = sum(1 for r in self.results if not r.ok and not r.warmup)
-                if failed:
-                    self.bar.set_postfix(failed=failed)
+                if failed := sum(1 for r in out if not r.ok):
+                    self.failed += failed
+                    self.bar.set_postfix(failed=self.failed)
             return out
 
         start = time.perf_counter()
