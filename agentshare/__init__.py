@@ -18,7 +18,7 @@
 """
 
 from agentshare.agent import Agent, Sampling
-from agentshare.client import AsyncClient, CacheExplanation, ServedAgent
+from agentshare.client import AsyncClient, CacheExplanation, ServedAgent, Team
 from agentshare.context import SharedContext
 from agentshare.errors import (
     AgentshareError,
@@ -56,6 +56,7 @@ __all__ = [
     "ServerMetrics",
     "ServerStartError",
     "SharedContext",
+    "Team",
     "Timings",
     "Usage",
 ]

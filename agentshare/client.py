@@ -8,7 +8,7 @@
       │
       ├── await client.context(doc)    -> SharedContext (prefilled once, pinned)
       ├── await client.attach(id)      -> SharedContext (an existing one, by id)
-      ├── await client.agents()        -> [ServedAgent]   what the server serves, with families
+      ├── await client.agents()        -> Team [ServedAgent]: what the server serves, what sharing costs
       ├── await client.explain(...)    -> CacheExplanation (how much of a request the cache serves)
       └── await client.metrics()       -> ServerMetrics  (prefill tokens computed vs cached)
 
@@ -50,6 +50,61 @@ class ServedAgent:
     shares_prefill: bool
     placement: Literal["turn", "header"]
     reason: str = ""
+    recompute_layers: int = 0
+    """Top layers it recomputes over the shared prefix (0: it reads the base's KV of every layer)."""
+    fidelity: protocol.Fidelity | None = None
+    """What sharing costs it, as ``agentshare finetune --fidelity`` measured when it was trained
+    (None: not measured)."""
+
+    @property
+    def sharing_cost(self) -> str:
+        """One line: what sharing costs this agent, as measured; or why nothing is known.
+
+        >>> ServedAgent("base", "base", "f" * 64, True, "turn").sharing_cost
+        'the base model: nothing to compare'
+        """
+        f = self.fidelity
+        if f is not None:
+            unit = "%" if f.metric == "exact" else "% of tokens"
+            return (f"{100 * f.shared:.1f} {unit} shared vs {100 * f.own:.1f} own prefill: "
+                    f"{-f.gap_points:+.1f} points [{-f.ci_points[1]:+.1f}, {-f.ci_points[0]:+.1f}], "
+                    f"k = {f.recompute_layers} of {f.layers}, {f.rows.get('held_out', 0)} held-out rows")
+        if self.kind == "base":
+            return "the base model: nothing to compare"
+        if not self.shares_prefill:
+            return "private prefill: sharing costs nothing, and saves nothing"
+        return "not measured (train it with agentshare finetune --fidelity POINTS)"
+
+
+class Team(list[ServedAgent]):
+    """The agents a server serves (``AsyncClient.agents()``): a list, shown as a table of what
+    each shares and what sharing costs it.
+
+    >>> print(Team([ServedAgent("base", "base", "f" * 64, True, "turn")]).table())
+    agent  kind  shares  k  what sharing costs
+    base   base  yes     0  the base model: nothing to compare
+    """
+
+    def rows(self) -> list[tuple[str, str, str, str, str]]:
+        return [(a.name, a.kind, "yes" if a.shares_prefill else "no", str(a.recompute_layers), a.sharing_cost)
+                for a in self]
+
+    def table(self) -> str:
+        head = ("agent", "kind", "shares", "k", "what sharing costs")
+        rows = [head, *self.rows()]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
+                         for r in rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        head = "".join(f"<th>{h}</th>" for h in ("agent", "kind", "shares", "k", "what sharing costs"))
+        body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in r) + "</tr>" for r in self.rows())
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,10 +233,12 @@ class AsyncClient:
         info = protocol.ContextInfo.model_validate(await self._request("GET", f"/v1/contexts/{context_id}"))
         return SharedContext(self._conn, info)
 
-    async def agents(self) -> list[ServedAgent]:
-        """The agents (decode modules) the server serves, and whether each shares the prefill."""
+    async def agents(self) -> Team:
+        """The agents (decode modules) the server serves, whether each shares the prefill, and
+        what sharing costs it where that was measured (``print(team)`` shows the table)."""
         listing = protocol.AgentList.model_validate(await self._request("GET", "/v1/agents"))
-        return [ServedAgent(a.name, a.kind, a.family, a.shares_prefill, a.placement, a.reason) for a in listing.data]
+        return Team(ServedAgent(a.name, a.kind, a.family, a.shares_prefill, a.placement, a.reason,
+                                a.recompute_layers, a.fidelity) for a in listing.data)
 
     async def explain(self, agent: Agent | str, messages: Sequence[Any] | None = None, *,
                       context: SharedContext | None = None, prompt: str | None = None) -> CacheExplanation:

@@ -490,6 +490,23 @@ class Completion(_Response):
     system_fingerprint: str | None = None
 
 
+class Fidelity(_Response):
+    """What sharing the prefill costs an agent, as ``agentshare finetune --fidelity`` measured it on
+    held-out rows: its score on the shared prefill and on its own, in ``metric`` (``exact``: share
+    of answers right; ``tokens``: share of reference tokens reproduced), the gap in points (own −
+    shared, positive: sharing costs) with its 95 % CI, and the layer split it chose."""
+
+    metric: str
+    points: float  # the gap the search accepted
+    shared: float
+    own: float
+    gap_points: float
+    ci_points: list[float]
+    recompute_layers: int
+    layers: int
+    rows: dict[str, int] = Field(default_factory=dict)
+
+
 class Model(_Response):
     """One agent, as ``/v1/models`` lists it (OpenAI's fields plus the family)."""
 
@@ -499,6 +516,7 @@ class Model(_Response):
     owned_by: str = "agentshare"
     family: str | None = None
     kind: str | None = None
+    fidelity: Fidelity | None = None  # what sharing costs this agent, measured when it was trained
 
 
 class ModelList(_Response):
@@ -626,6 +644,7 @@ class AgentInfo(_Response):
     placement: Literal["turn", "header"]
     reason: str = ""
     recompute_layers: int = 0  # top layers it recomputes over the shared prefix (0: it reads the base's KV)
+    fidelity: Fidelity | None = None  # what sharing costs it, measured when it was trained (None: not measured)
 
 
 class AgentList(_Response):

@@ -22,10 +22,10 @@ from __future__ import annotations
 import copy
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentshare.protocol import AgentInfo
+from agentshare.protocol import AgentInfo, Fidelity
 from server.engine.core import EngineCore
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import TokenEvent
@@ -44,6 +44,8 @@ class AgentCard:
     placement: str = "turn"
     reason: str = ""
     recompute_layers: int = 0  # top layers it recomputes over the shared prefix (the layer split)
+    fidelity: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+    """What sharing costs it, as ``finetune --fidelity`` measured (its manifest's record)."""
 
     @property
     def is_base(self) -> bool:
@@ -52,7 +54,8 @@ class AgentCard:
     def info(self) -> AgentInfo:
         return AgentInfo(name=self.name, kind=self.kind, family=self.family,
                          shares_prefill=self.shares_prefill, placement=self.placement,  # type: ignore[arg-type]
-                         reason=self.reason, recompute_layers=self.recompute_layers)
+                         reason=self.reason, recompute_layers=self.recompute_layers,
+                         fidelity=None if self.fidelity is None else Fidelity.model_validate(self.fidelity))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +72,7 @@ class EngineFacts:
     def of(cls, core: EngineCore) -> EngineFacts:
         agents = {
             name: AgentCard(name, str(m.kind), core.family if m.shares_prefill else None,
-                            m.shares_prefill, str(m.placement), m.reason, m.recompute_layers)
+                            m.shares_prefill, str(m.placement), m.reason, m.recompute_layers, m.fidelity)
             for name, m in core.modules.items()
         }
         return cls(core.family, agents, copy.deepcopy(core.tokenizer), core.config.block_size, core.max_context)

@@ -124,8 +124,16 @@ def finetune(
     layers: int = typer.Option(0, help="tune only the top N layers; the ones below stay the base's (0: all)"),
     recompute: int = typer.Option(0, help="the module recomputes the shared prefix's KV of its top K layers "
                                           "from the base's hidden state (the layer split; 0: none)"),
+    fidelity: float | None = typer.Option(
+        None, metavar="POINTS", help="hold out rows, train the own-prefill comparator too, and pick the smallest "
+        "layer split whose held-out accuracy is within POINTS of it; the figures go into the manifest"),
+    fidelity_held_out: float = typer.Option(0.2, help="with --fidelity: rows held out (a fraction < 1, or a count)"),
+    fidelity_step: int = typer.Option(1, help="with --fidelity: resolution of the layer-split search, in layers"),
 ) -> None:
-    """Fine-tune a decode module on the base model's KV (cache-conditioned); write it with its manifest."""
+    """Fine-tune a decode module on the base model's KV (cache-conditioned); write it with its manifest.
+
+    With --fidelity POINTS it also measures what sharing costs the module on held-out rows and
+    chooses the layer split (see docs/finetune.md)."""
     from server.training.command import finetune_errors, run_finetune
 
     options = dict(locals())

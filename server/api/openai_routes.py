@@ -65,7 +65,8 @@ router = APIRouter()
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request, _: Caller) -> ModelList:
     state = server_state(request)
-    return ModelList(data=[Model(id=c.name, created=state.created, family=c.family, kind=c.kind)
+    return ModelList(data=[Model(id=c.name, created=state.created, family=c.family, kind=c.kind,
+                                 fidelity=c.info().fidelity)
                            for c in state.facts.agents.values()])
 
 

@@ -56,7 +56,8 @@ def facts_of(infos: Sequence[WorkerInfo], tokenizer: Any) -> EngineFacts:
         if info.role != "decode":
             continue
         for a in info.agents:
-            card = AgentCard(a.name, a.kind, a.family, a.shares_prefill, a.placement, a.reason, a.recompute_layers)
+            card = AgentCard(a.name, a.kind, a.family, a.shares_prefill, a.placement, a.reason, a.recompute_layers,
+                             None if a.fidelity is None else a.fidelity.model_dump())
             if agents.setdefault(a.name, card) != card:
                 raise InvalidRequest(f"agent {a.name!r} is served with different modules by different workers")
     first = infos[0]

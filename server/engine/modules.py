@@ -9,7 +9,7 @@ their kind (``server/engine/kinds``).
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ class DecodeModule:
     recompute_layers: int = 0
     """Top layers whose prefix KV it recomputes from the base's hidden state below them (the
     layer split; 0: it reads the base's KV of every layer)."""
+    fidelity: dict[str, Any] | None = field(default=None, compare=False)
+    """What sharing costs it, measured by ``finetune --fidelity`` (None: not measured)."""
 
     @property
     def is_base(self) -> bool:
@@ -74,4 +76,5 @@ def load_module(
                               f"base's {shape.num_layers} layers")
     weights = kind.load(Path(path), name=name, shape=shape, dtype=dtype, device=device)
     return DecodeModule(name, kind.name, found.digest, found.shares_prefill, found.placement,
-                        weights=weights, reason=found.reason, recompute_layers=found.recompute_layers)
+                        weights=weights, reason=found.reason, recompute_layers=found.recompute_layers,
+                        fidelity=found.fidelity)

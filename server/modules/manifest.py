@@ -64,6 +64,10 @@ class Manifest:
     recompute_layers: int = 0
     """Top layers whose prefix KV the module recomputes from the base's hidden state below them
     (trained with ``finetune --recompute``; 0: it reads the base's KV of every layer)."""
+    fidelity: dict[str, Any] | None = field(default=None, compare=False)
+    """What sharing costs the module, measured by ``finetune --fidelity``: its held-out score on
+    the shared prefill and on its own (``shared``, ``own``, ``gap_points``, ``ci_points``), the
+    split it chose, the rows (``server/training/fidelity.py``); None: not measured."""
 
     def __post_init__(self) -> None:
         if not self.name or not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
@@ -82,6 +86,8 @@ class Manifest:
         d = {"format": FORMAT, **d, "kind": self.kind.value, "invocation": self.invocation.value}
         if not self.recompute_layers:
             d.pop("recompute_layers")  # 0: a manifest as before the field existed (same digest)
+        if self.fidelity is None:
+            d.pop("fidelity")  # not measured: a manifest as before the field existed
         if self.lora is None:
             d.pop("lora")
         else:
@@ -110,6 +116,7 @@ class Manifest:
                 ),
                 training=dict(d.get("training", {})),
                 recompute_layers=_whole(d.get("recompute_layers", 0), "recompute_layers"),
+                fidelity=_fidelity(d.get("fidelity")),
             )
         except KeyError as exc:
             raise ManifestError(f"{source}: missing field {exc.args[0]!r}") from exc
@@ -133,4 +140,10 @@ class Manifest:
 def _whole(value: Any, field_name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{field_name} must be a whole number, got {value!r}")
+    return value
+
+
+def _fidelity(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"fidelity must be an object of measured figures, got {value!r}")
     return value

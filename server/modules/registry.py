@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from server.kv.family import weights_digest
 from server.modules.manifest import MANIFEST_FILE, Manifest, ManifestError, ModuleKind
@@ -54,6 +55,9 @@ class Identified:
     placement: Placement
     reason: str
     recompute_layers: int = 0  # top layers it recomputes over the shared prefix (0: none)
+    fidelity: dict[str, Any] | None = field(default=None, compare=False)
+    """What sharing costs it, as ``finetune --fidelity`` measured (its manifest); None when it
+    was not measured or the module does not share."""
 
 
 def identify(
@@ -101,7 +105,8 @@ def identify(
                               f"this one is {kind.value!r}; drop recompute_layers from its manifest")
     if recompute:
         reason += f", recomputes its top {recompute} layers over the prefix"
-    return Identified(str(kind), digest, shares, placement, reason, recompute)
+    fidelity = manifest.fidelity if manifest and shares else None
+    return Identified(str(kind), digest, shares, placement, reason, recompute, fidelity)
 
 
 def _check_base(name: str, manifest: Manifest, family: str, base_families: Collection[str]) -> None:

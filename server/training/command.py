@@ -80,6 +80,16 @@ def finetune_joint_errors() -> dict[type[Exception], str | None]:
 
 def run_finetune(opts: Mapping[str, Any]) -> None:
     """Run the command (the errors of :func:`finetune_errors` are the user's to fix)."""
+    if opts.get("fidelity") is not None:
+        from server.training.fidelity import FidelityOptions, finetune_with_fidelity
+
+        held = opts.get("fidelity_held_out", 0.2)
+        fid = FidelityOptions(points=opts["fidelity"], held_out=int(held) if held >= 1 else float(held),
+                              step=opts.get("fidelity_step", 1), seed=opts.get("seed") or 0)
+        searched = finetune_with_fidelity(config_from_options(opts), fid)
+        print(searched.table())
+        print(f"wrote {searched.output} (recompute_layers {searched.k}; the figures are in its manifest)")
+        return
     result = finetune(config_from_options(opts))
     print(f"wrote {result.output} ({result.steps} steps, {result.examples} examples, "
           f"{result.seconds:.0f} s, family {result.family[:12]}…)")

@@ -129,12 +129,13 @@ def accuracy(task: str, predictions: Sequence[str], examples: Sequence[Example])
     return [score(task, p, ex.response) for p, ex in zip(predictions, examples, strict=True)]
 
 
-def paired_bootstrap(a: Sequence[bool], b: Sequence[bool], *, reps: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> dict[str, float]:
-    """Mean of ``a - b`` over paired examples, with a percentile bootstrap interval."""
+def paired_bootstrap(a: Sequence[bool] | Sequence[float], b: Sequence[bool] | Sequence[float], *,
+                     reps: int = 2000, seed: int = 0, level: float = 0.95) -> dict[str, float]:
+    """Mean of ``a - b`` over paired examples (right/wrong, or scores in [0, 1]), with a
+    percentile bootstrap interval."""
     if len(a) != len(b) or not a:
         raise ValueError("paired samples must be non-empty and of equal length")
-    d = [int(x) - int(y) for x, y in zip(a, b, strict=True)]
+    d = [float(x) - float(y) for x, y in zip(a, b, strict=True)]
     n = len(d)
     rng = random.Random(seed)
     means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(reps))

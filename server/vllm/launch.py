@@ -85,7 +85,7 @@ def agent_card(path: Path, *, name: str, family: str) -> AgentCard:
     prefill, and why), as the torch engine says it."""
     ident = _identify(path, name=name, family=family)
     return AgentCard(name, ident.kind, family if ident.shares_prefill else None, ident.shares_prefill,
-                     str(ident.placement), ident.reason)
+                     str(ident.placement), ident.reason, fidelity=ident.fidelity)
 
 
 def _lora_rank(path: Path) -> int:
