@@ -17,6 +17,7 @@ under ``--out`` and skips it when rerun, so stages can run in separate processes
     python benchmarks/heldout_families.py --tag before --families prose-records,counting
     python benchmarks/heldout_families.py --stage joint --hold-out prose-records,counting,...
     python benchmarks/heldout_families.py --tag after --base OUT/joint/patch --families ...
+    python benchmarks/heldout_families.py --stage perplexity --bases default=,team=...,joint=OUT/joint
     python benchmarks/heldout_families.py --stage report --json benchmarks/recorded/heldout_families.json
 """
 
@@ -101,6 +102,52 @@ def stage_joint(a: argparse.Namespace) -> Path:
     return out
 
 
+def perplexity_texts() -> dict[str, list[str]]:
+    """Held-out text no joint stage trains on: the standard library's subpackages (the ``lm``
+    family reads only its top-level modules) and this project's docs."""
+    import os
+
+    lib = Path(os.__file__).parent
+    root = Path(__file__).resolve().parent.parent
+    return {"stdlib-packages": [p.read_text(encoding="utf-8", errors="replace")
+                                for p in sorted(lib.glob("[a-z]*/*.py"))[:60]],
+            "project-docs": [p.read_text(encoding="utf-8") for p in sorted((root / "docs").glob("*.md"))]}
+
+
+def stage_perplexity(a: argparse.Namespace) -> dict:
+    """Perplexity of each base (``--bases NAME=PATH,...``) on the held-out texts: 256-token
+    windows, the same windows for every base."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from server.models.patch import resolve_model_dir
+
+    torch.set_num_threads(a.threads)
+    out: dict[str, dict[str, float]] = {}
+    for item in a.bases.split(","):
+        name, path = item.split("=", 1)
+        d = resolve_model_dir(path or None)
+        tok = AutoTokenizer.from_pretrained(d)
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        out[name] = {}
+        for corpus, texts in perplexity_texts().items():
+            ids = [i for t in texts for i in tok.encode(t + "\n\n", add_special_tokens=False)]
+            windows = [ids[i:i + 256] for i in range(0, min(len(ids), a.ppl_tokens) - 256, 256)]
+            nll, n = 0.0, 0
+            with torch.no_grad():
+                for w in windows:
+                    x = torch.tensor([w])
+                    loss = model(input_ids=x, labels=x).loss.item()
+                    nll, n = nll + loss * (len(w) - 1), n + len(w) - 1
+            out[name][corpus] = round(math.exp(nll / n), 3)
+        print(name, out[name])
+    path = Path(a.out) / "perplexity.json"
+    path.write_text(json.dumps(out, indent=2))
+    return out
+
+
 def report(a: argparse.Namespace) -> dict:
     results = [json.loads(p.read_text()) for p in sorted(Path(a.out).glob("*/*/result.json"))]
     print("| base | family | own | shared (k = 0) | shared − own, 95 % CI | training own / shared |")
@@ -111,8 +158,10 @@ def report(a: argparse.Namespace) -> dict:
               f"{100 * r['accuracy']['shared']:.1f} % | {100 * ci['diff']:+.1f} [{100 * ci['lo']:+.1f}, "
               f"{100 * ci['hi']:+.1f}] | {r['train_seconds']['own']:.0f} s / {r['train_seconds']['shared']:.0f} s |")
     joint = Path(a.out) / "joint" / "agentshare-joint.json"
+    ppl = Path(a.out) / "perplexity.json"
     doc = {"host": platform.processor() or platform.machine(), "results": results,
-           "joint": json.loads(joint.read_text()) if joint.is_file() else None}
+           "joint": json.loads(joint.read_text()) if joint.is_file() else None,
+           "perplexity": json.loads(ppl.read_text()) if ppl.is_file() else None}
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=2))
     return doc
@@ -120,7 +169,7 @@ def report(a: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", choices=("families", "joint", "report"), default="families")
+    p.add_argument("--stage", choices=("families", "joint", "perplexity", "report"), default="families")
     p.add_argument("--families", default="prose-records,kv-blocks,counting,extraction")
     p.add_argument("--base", default=str(TEAM_BASE), help="a model directory or base patch")
     p.add_argument("--tag", default="before", help="names the base in the results")
@@ -131,6 +180,9 @@ def main() -> None:
     p.add_argument("--joint-from", default=None, help="the base the joint stage starts from (default model)")
     p.add_argument("--joint-rows", type=int, default=200, help="rows per family in the joint mixture")
     p.add_argument("--joint-epochs", type=float, default=1.0)
+    p.add_argument("--bases", default=f"default=,team={TEAM_BASE}",
+                   help="--stage perplexity: NAME=PATH,... (an empty PATH: the default model)")
+    p.add_argument("--ppl-tokens", type=int, default=32768, help="tokens of each held-out text to score")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="heldout-families")
     p.add_argument("--json", default=None)
@@ -138,6 +190,8 @@ def main() -> None:
     a = p.parse_args()
     if a.stage == "joint":
         stage_joint(a)
+    elif a.stage == "perplexity":
+        stage_perplexity(a)
     elif a.stage == "report":
         report(a)
     else:
