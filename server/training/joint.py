@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,14 @@ from server.kv.family import family_digest
 from server.models.patch import apply_patch, exact_scale, is_patch, resolve_model_dir, save_patch
 from server.training.dataset import Batch, DataError, collate, encode, read_jsonl, write_jsonl  # noqa: F401  (write_jsonl: the example)
 from server.training.split import _causal_lm
-from server.training.trainer import DEFAULT_TARGETS, BadOption, _schedule
+from server.training.trainer import (
+    CHECKPOINT_DIR,
+    DEFAULT_TARGETS,
+    BadOption,
+    _schedule,
+    resume,
+    save_checkpoint,
+)
 
 PREFILL = "prefill"
 RECORD = "agentshare-joint.json"
@@ -72,7 +80,15 @@ class JointConfig:
     autocast: bool = False
     threads: int | None = None
     device: str = "auto"  # auto, cpu, cuda, cuda:N (server/engine/device.py)
+    checkpoint_every: int = 25  # steps; rerunning the same run resumes from output/checkpoint/ (0: never)
     progress: bool = True
+
+    def resume_key(self) -> dict[str, Any]:
+        """What names the run for a resume: everything but where and how it runs."""
+        rec = json.loads(json.dumps(dataclasses.asdict(self), default=str))
+        for k in ("output", "threads", "device", "progress", "checkpoint_every"):
+            rec.pop(k)
+        return rec
 
 
 @dataclass(slots=True)
@@ -131,9 +147,11 @@ def train_joint(cfg: JointConfig) -> JointResult:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(len(order), cfg.warmup))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.autocast else contextlib.nullcontext()
-    losses: list[float] = []
-    bar = tqdm(total=len(order), desc="finetune --joint", disable=not cfg.progress)
-    for task, batch_idx in order:
+    key = dataclasses.replace(cfg, base=str(given)).resume_key()
+    step, losses = resume(out / CHECKPOINT_DIR, key, model, opt, sched)
+    resumed = step
+    bar = tqdm(total=len(order), initial=step, desc="finetune --joint", disable=not cfg.progress)
+    for task, batch_idx in order[step:]:
         batch = collate([items[i] for i in batch_idx], pad).to(device)
         with amp:
             loss = _loss(model, task, batch)
@@ -143,15 +161,19 @@ def train_joint(cfg: JointConfig) -> JointResult:
         opt.step()
         sched.step()
         losses.append(loss.item())
+        step += 1
         bar.update()
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < len(order):
+            save_checkpoint(out / CHECKPOINT_DIR, key, model, opt, sched, step, losses,
+                            names={n for n, _ in model.named_parameters() if "lora_" in n})  # every task's adapter
     bar.close()
 
     # The decode adapters are dropped; the prefill adapter, rounded to bf16, is the base patch,
     # and the new base is built from it exactly as a patch is applied anywhere else
     seconds = time.perf_counter() - t0
     record = {"config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), "tasks": list(tasks),
-              "steps": len(order), "examples": len(items), "seconds": round(seconds, 1),
+              "steps": len(order), "examples": len(items), "seconds": round(seconds, 1), "resumed_at_step": resumed,
               "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
               "from_family": family_digest(cfg.base, kv_dtype=cfg.kv_dtype)}
     scale = cfg.alpha / cfg.rank
@@ -160,6 +182,7 @@ def train_joint(cfg: JointConfig) -> JointResult:
     apply_patch(patch, out, base=cfg.base)
     family = family_digest(out, kv_dtype=cfg.kv_dtype)
     (out / RECORD).write_text(json.dumps({**record, "family": family, "patch": PATCH_DIR}, indent=2) + "\n")
+    shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
     return JointResult(out, family, tasks, len(order), len(items), seconds, losses)
 
 

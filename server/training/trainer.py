@@ -165,7 +165,7 @@ def finetune(cfg: FinetuneConfig) -> FinetuneResult:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total, cfg.warmup))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    step, losses = _resume(out / CHECKPOINT_DIR, cfg, model, opt, sched)
+    step, losses = resume(out / CHECKPOINT_DIR, _resume_key(cfg), model, opt, sched)
     bar = tqdm(total=total, initial=step, desc=f"finetune {cfg.name}", disable=not cfg.progress)
     while step < total:
         batch = collate([items[i] for i in order[step]], pad, split=cfg.cache_conditioned).to(device)
@@ -180,7 +180,7 @@ def finetune(cfg: FinetuneConfig) -> FinetuneResult:
         bar.update()
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
-            _save_checkpoint(out / CHECKPOINT_DIR, cfg, model, opt, sched, step, losses)
+            save_checkpoint(out / CHECKPOINT_DIR, _resume_key(cfg), model, opt, sched, step, losses)
     bar.close()
     seconds = time.perf_counter() - t0
     result = FinetuneResult(out, family, step, len(items), seconds, losses)
@@ -245,20 +245,24 @@ def _schedule(total: int, warmup: float) -> Any:
     return f
 
 
-def _trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: p.detach().cpu().contiguous() for k, p in model.named_parameters() if p.requires_grad}
+def _trainable(model: torch.nn.Module, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint keeps: ``names``, or those that require gradients now."""
+    return {k: p.detach().cpu().contiguous() for k, p in model.named_parameters()
+            if (k in names if names is not None else p.requires_grad)}
 
 
-def _save_checkpoint(d: Path, cfg: FinetuneConfig, model: Any, opt: Any, sched: Any,
-                     step: int, losses: list[float]) -> None:
+def save_checkpoint(d: Path, key: dict[str, Any], model: Any, opt: Any, sched: Any,
+                    step: int, losses: list[float], names: set[str] | None = None) -> None:
+    """The trainable weights (``names``, or those requiring gradients now), optimiser, schedule
+    and RNG after ``step`` steps, written whole (a temporary directory renamed into place);
+    ``key`` names the run (:func:`resume` checks it)."""
     tmp = d.with_name(d.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(_trainable(model), tmp / "trainable.safetensors")
+    save_file(_trainable(model, names), tmp / "trainable.safetensors")
     torch.save({"opt": opt.state_dict(), "sched": sched.state_dict(),
                 "rng": torch.get_rng_state()}, tmp / "state.pt")
-    (tmp / "progress.json").write_text(json.dumps({"step": step, "losses": losses,
-                                                   "config": _resume_key(cfg)}))
+    (tmp / "progress.json").write_text(json.dumps({"step": step, "losses": losses, "config": key}))
     shutil.rmtree(d, ignore_errors=True)
     tmp.rename(d)
 
@@ -270,11 +274,13 @@ def _resume_key(cfg: FinetuneConfig) -> dict[str, Any]:
     return rec
 
 
-def _resume(d: Path, cfg: FinetuneConfig, model: Any, opt: Any, sched: Any) -> tuple[int, list[float]]:
+def resume(d: Path, key: dict[str, Any], model: Any, opt: Any, sched: Any) -> tuple[int, list[float]]:
+    """Load the checkpoint in ``d`` (if any) into the model, optimiser and schedule: (steps done,
+    losses so far); a checkpoint of another run (``key`` differs) is refused."""
     if not (d / "progress.json").is_file():
         return 0, []
     prog = json.loads((d / "progress.json").read_text())
-    if prog["config"] != _resume_key(cfg):
+    if prog["config"] != key:
         raise DataError(f"{d} holds a checkpoint of a different run (other data or settings); "
                         "remove it or train into another output directory")
     state = load_file(d / "trainable.safetensors")

@@ -18,7 +18,7 @@ from server.kv.family import family_digest
 from server.models.patch import read_patch, resolve_model_dir
 from server.modules.manifest import Manifest
 from server.modules.registry import ModuleLoadError
-from server.training.dataset import write_jsonl
+from server.training.dataset import DataError, write_jsonl
 from server.training.joint import PATCH_DIR, JointConfig, _order, train_joint
 from server.training.tasks import Difficulty, generate
 from server.training.trainer import BadOption, FinetuneConfig, finetune
@@ -70,6 +70,41 @@ def test_the_joint_base_is_a_new_family_whose_prefill_learned(tiny_model_dir, tm
     with pytest.raises(ModuleLoadError, match=re.escape(f"another base model (trained on {patch})")):
         load_engine(tiny_model_dir, modules={"coder": tmp_path / "coder"}, dtype="float32",
                     config=EngineConfig(kv_cache_bytes=32 << 20))
+
+
+def test_an_interrupted_joint_run_resumes_from_its_checkpoint_to_the_same_patch(tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    from safetensors.torch import load_file
+
+    from server.training import joint as joint_mod
+
+    monkeypatch.setenv("AGENTSHARE_CACHE_DIR", str(tmp_path / "cache"))
+    data = mixture(tmp_path / "mix.jsonl", n=4)
+    cfg = dict(base=tiny_model_dir, data=data, rank=4, alpha=8, decode_rank=4, batch_size=2, lr=1e-2,
+               kv_dtype="float32", progress=False, checkpoint_every=2)
+    straight = train_joint(JointConfig(output=tmp_path / "a", **cfg))
+    real, calls = joint_mod._loss, {"n": 0}
+
+    def crash_after_three(model, task, batch):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return real(model, task, batch)
+
+    monkeypatch.setattr(joint_mod, "_loss", crash_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        train_joint(JointConfig(output=tmp_path / "b", **cfg))
+    assert json.loads((tmp_path / "b" / "checkpoint" / "progress.json").read_text())["step"] == 2
+    monkeypatch.setattr(joint_mod, "_loss", real)
+    with pytest.raises(DataError, match="checkpoint of a different run"):
+        train_joint(JointConfig(output=tmp_path / "b", **{**cfg, "lr": 2e-2}))
+    resumed = train_joint(JointConfig(output=tmp_path / "b", **cfg))
+    assert resumed.steps == straight.steps == 6 and resumed.losses[:2] == straight.losses[:2]
+    assert json.loads((tmp_path / "b" / "agentshare-joint.json").read_text())["resumed_at_step"] == 2
+    assert not (tmp_path / "b" / "checkpoint").exists()
+    a = load_file(tmp_path / "a" / PATCH_DIR / "adapter.safetensors")
+    b = load_file(tmp_path / "b" / PATCH_DIR / "adapter.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)  # bf16 patch: equal after rounding
 
 
 def test_batches_hold_one_task_each_and_every_row_once_an_epoch():
