@@ -66,7 +66,7 @@ class ServedAgent:
         f = self.fidelity
         if f is not None:
             unit = "%" if f.metric == "exact" else "% of tokens"
-            return (f"{100 * f.shared:.1f} {unit} shared vs {100 * f.own:.1f} own prefill: "
+            return (f"{100 * f.shared:.1f} {unit} shared vs {100 * f.own:.1f} {unit} own prefill: "
                     f"{-f.gap_points:+.1f} points [{-f.ci_points[1]:+.1f}, {-f.ci_points[0]:+.1f}], "
                     f"k = {f.recompute_layers} of {f.layers}, {f.rows.get('held_out', 0)} held-out rows")
         if self.kind == "base":

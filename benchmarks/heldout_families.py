@@ -159,12 +159,21 @@ def report(a: argparse.Namespace) -> dict:
               f"{100 * ci['hi']:+.1f}] | {r['train_seconds']['own']:.0f} s / {r['train_seconds']['shared']:.0f} s |")
     joint = Path(a.out) / "joint" / "agentshare-joint.json"
     ppl = Path(a.out) / "perplexity.json"
-    doc = {"host": platform.processor() or platform.machine(), "results": results,
+    doc = {"host": _cpu(), "results": results,
            "joint": json.loads(joint.read_text()) if joint.is_file() else None,
            "perplexity": json.loads(ppl.read_text()) if ppl.is_file() else None}
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=2))
     return doc
+
+
+def _cpu() -> str:
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0]}, {len(names)} cores" if names else platform.machine()
 
 
 def main() -> None:

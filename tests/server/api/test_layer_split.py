@@ -81,6 +81,6 @@ def test_what_sharing_costs_each_agent_is_listed_and_tabled(tiny_model_dir, make
     by_name = {a.name: a for a in listed}
     assert by_name["measured"].fidelity.recompute_layers == 1 and by_name["measured"].recompute_layers == 1
     table = listed.table()
-    assert "95.5 % shared vs 96.0 own prefill: -0.5 points [-2.0, +1.0], k = 1 of 2, 200 held-out rows" in table
+    assert "95.5 % shared vs 96.0 % own prefill: -0.5 points [-2.0, +1.0], k = 1 of 2, 200 held-out rows" in table
     assert "not measured (train it with agentshare finetune --fidelity POINTS)" in table
     assert "<td>measured</td>" in listed._repr_html_()
