@@ -130,8 +130,9 @@ class FidelityResult:
     def table(self) -> str:
         """The search as a plain-text table (one line per probe, the choice marked)."""
         unit = "%" if self.metric == "exact" else "% tokens"
+        own_mark = "  <- chosen: no split was within the points" if self.k == self.layers else ""
         lines = [f"{'arm':<28} {'k':>4} {'score':>10} {'gap (points)':>13}",
-                 f"{'own prefill (comparator)':<28} {self.layers:>4} {100 * self.own:>8.1f} {unit[0]} {'':>13}"]
+                 f"{'own prefill (comparator)':<28} {self.layers:>4} {100 * self.own:>8.1f} {unit[0]} {'':>13}{own_mark}"]
         for p in sorted(self.probes, key=lambda p: p.k):
             mark = "  <- chosen" if p.k == self.k else ""
             lines.append(f"{'shared prefill':<28} {p.k:>4} {100 * p.score:>8.1f} {unit[0]} {p.gap(self.own):>+13.1f}{mark}")
@@ -139,7 +140,17 @@ class FidelityResult:
                      f"(95 % CI {100 * -self.ci[1]:+.1f} .. {100 * -self.ci[0]:+.1f}), within {self.points:g}; "
                      f"{100 * self.prefill_saved:.0f} % of the prefix's layers read from the shared prefill; "
                      f"{self.rows['held_out']} held-out rows, {self.metric} score, {self.seconds:.0f} s")
+        if self.resolution > self.points:
+            lines.append(f"note: {self.rows['held_out']} held-out rows measure the gap to about "
+                         f"±{self.resolution:.1f} points, more than the {self.points:g} asked for; each probe's "
+                         "verdict near the line is a coin toss. Give more rows (or --fidelity-held-out) "
+                         "for a choice that holds.")
         return "\n".join(lines)
+
+    @property
+    def resolution(self) -> float:
+        """Half the width of the gap's 95 % CI, in points: what the held-out rows can tell apart."""
+        return 100 * (self.ci[1] - self.ci[0]) / 2
 
 
 def score_rows(predicted: Sequence[str], rows: Sequence[dict[str, Any]], metric: str, tokenizer: Any) -> list[float]:
