@@ -32,6 +32,7 @@ PUBLIC = [
     "ServerMetrics",
     "ServerStartError",
     "SharedContext",
+    "Team",
     "Timings",
     "Usage",
 ]
