@@ -124,6 +124,17 @@ def test_workers_of_another_family_cannot_form_a_cluster():
         facts_of([info("http://p1", role="prefill", agents=())], tokenizer=None)
 
 
+def test_an_agents_measured_fidelity_reaches_the_routers_listing():
+    from agentshare.protocol import Fidelity
+
+    measured = Fidelity(metric="exact", points=1.0, shared=0.9, own=0.92, gap_points=2.0, ci_points=[0.5, 3.5],
+                        recompute_layers=8, layers=30, rows={"train": 300, "held_out": 100})
+    coder = CODER.model_copy(update={"fidelity": measured})
+    wire = WorkerInfo.model_validate_json(info("http://d1", agents=(coder,)).model_dump_json())  # as it travels
+    facts = facts_of([wire, info("http://p1", role="prefill")], tokenizer=None)
+    assert facts.agents["coder"].info().fidelity == measured
+
+
 def test_a_joining_worker_of_another_family_is_refused():
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/internal/info":
