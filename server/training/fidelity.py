@@ -166,6 +166,32 @@ def score_rows(predicted: Sequence[str], rows: Sequence[dict[str, Any]], metric:
     return out
 
 
+def smallest_split(passes: Callable[[int], bool], layers: int, step: int = 1) -> int:
+    """The smallest layer split ``k`` for which ``passes(k)``, assuming that once a split
+    passes, every larger one does: ``k = 0`` first, then a bisection of ``(0, layers]`` to within
+    ``step`` layers. ``k = layers`` is never asked: it is the module on its own prefill, which
+    passes by definition.
+
+    >>> asked = []
+    >>> smallest_split(lambda k: asked.append(k) or k >= 19, 30), asked
+    (19, [0, 15, 22, 18, 20, 19])
+    >>> smallest_split(lambda k: False, 30, step=8)
+    30
+    """
+    if passes(0):
+        return 0
+    lo, hi = 0, layers
+    while hi - lo > step:
+        mid = lo + max(step, (hi - lo) // 2 // step * step)
+        if mid >= hi:
+            break
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def split_rows(lines: list[str], opts: FidelityOptions, source: str) -> tuple[list[str], list[str]]:
     """(train, held-out) raw JSONL lines; every row is checked first."""
     for i, line in enumerate(lines, start=1):
@@ -271,20 +297,7 @@ class Search:
             p = state["probes"][str(k)]
             return Probe(k, sum(p["scores"]) / len(p["scores"]), p["scores"], p["seconds"])
 
-        passes = lambda p: within(p.gap(own), points=self.opts.points)  # noqa: E731
-        lo, hi = 0, layers
-        if not passes(probe(0)):
-            while hi - lo > self.opts.step:
-                mid = lo + max(self.opts.step, (hi - lo) // 2 // self.opts.step * self.opts.step)
-                if mid >= hi:
-                    break
-                if passes(probe(mid)):
-                    hi = mid
-                else:
-                    lo = mid
-            k = hi
-        else:
-            k = 0
+        k = smallest_split(lambda k: within(probe(k).gap(own), points=self.opts.points), layers, self.opts.step)
         bar.set_postfix_str(f"verify k = {k}")
         result = self._finish(k, layers, base, examples, rows, tokenizer, max_new, metric, own_scores, state, t0)
         bar.update(bar.total - bar.n)
