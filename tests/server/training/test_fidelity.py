@@ -182,3 +182,24 @@ def test_the_cli_refuses_a_fidelity_search_it_cannot_run(tiny_model_dir, data, t
     r = CliRunner().invoke(app, ["finetune", str(data), "-o", str(tmp_path / "m"), "--name", "m",
                                  "--base", str(tiny_model_dir), "--fidelity", "1", "--fidelity-held-out", "5"])
     assert r.exit_code == 2 and "needs at least 20 of each" in r.output
+
+
+def test_the_cli_runs_the_search_with_its_options_and_prints_the_table(tiny_model_dir, data, tmp_path, monkeypatch):
+    seen = {}
+
+    def search(cfg, opts):
+        seen.update(cfg=cfg, opts=opts)
+        return fid.FidelityResult(tmp_path / "m", 8, 30, "exact", 0.9, 0.89, (-0.03, 0.01), 2.0,
+                                  {"train": 70, "held_out": 30}, [Probe(0, 0.7, [], 1.0), Probe(8, 0.89, [], 1.0)], 5.0)
+
+    monkeypatch.setattr(fid, "finetune_with_fidelity", search)
+    r = CliRunner().invoke(app, ["finetune", str(data), "-o", str(tmp_path / "m"), "--name", "m", "--base",
+                                 str(tiny_model_dir), "--fidelity", "2", "--fidelity-held-out", "30",
+                                 "--fidelity-step", "4", "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    assert seen["opts"] == FidelityOptions(points=2.0, held_out=30, step=4, seed=3)
+    assert seen["cfg"].cache_conditioned and seen["cfg"].recompute == 0
+    assert "chosen k = 8 of 30" in r.output and "<- chosen" in r.output and "recompute_layers 8" in r.output
+    r = CliRunner().invoke(app, ["finetune", str(data), "-o", str(tmp_path / "m"), "--name", "m", "--base",
+                                 str(tiny_model_dir), "--fidelity", "2", "--fidelity-held-out", "0.25"])
+    assert seen["opts"].held_out == 0.25
