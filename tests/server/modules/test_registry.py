@@ -203,3 +203,23 @@ def test_the_module_digest_covers_its_manifest_configs_and_weights_and_keeps_its
     assert module("manifest-b", lora, other) != with_manifest
     full = {"config.json": b'{"hidden_size": 8}', "model.safetensors": b"weights"}
     assert module("full", full) != module("full-other-config", full | {"config.json": b'{"hidden_size": 16}'})
+
+
+def test_a_measured_fidelity_is_carried_only_by_a_module_that_shares(make_lora, tiny_family, tiny_model_dir,
+                                                                    tmp_path):
+    import dataclasses
+    import shutil
+
+    from server.modules.registry import identify
+
+    record = {"metric": "exact", "shared": 0.9, "own": 0.92, "gap_points": 2.0}
+    shares = tmp_path / "shares"
+    shutil.copytree(make_lora("fid"), shares)
+    dataclasses.replace(Manifest.read(shares), fidelity=record).write(shares)
+    assert identify(shares, name="m", family=tiny_family).fidelity == record
+    assert load(shares, tiny_family).fidelity == record
+    bf16 = family_digest(tiny_model_dir, kv_dtype="bfloat16")  # served at another KV dtype: private
+    private = tmp_path / "private"
+    shutil.copytree(make_lora("fid-bf16", family=bf16), private)
+    dataclasses.replace(Manifest.read(private), fidelity=record).write(private)
+    assert identify(private, name="m", family=tiny_family).fidelity is None
