@@ -326,7 +326,7 @@ class Search:
                   for kk, p in state["probes"].items()]
         result = FidelityResult(self.out, k, layers, metric, sum(own_scores) / len(own_scores),
                                 sum(shared_scores) / len(shared_scores), (ci["lo"], ci["hi"]),
-                                self.opts.points, {"train": _count(self.work / "train.jsonl"), "held_out": len(examples)},
+                                self.opts.points, {"train": state["key"]["rows"] - len(examples), "held_out": len(examples)},
                                 probes, time.perf_counter() - t0)
         Manifest(name=self.cfg.name, kind=ModuleKind.LORA, family=family, invocation=self.cfg.placement,
                  lora=lora, training=training, recompute_layers=k, fidelity=result.record()).write(self.out)
@@ -372,7 +372,3 @@ def _family(base: Path, cfg: FinetuneConfig) -> str:
     from server.kv.family import family_digest
 
     return family_digest(base, kv_dtype=cfg.kv_dtype)
-
-
-def _count(path: Path) -> int:
-    return sum(1 for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip())
